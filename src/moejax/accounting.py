@@ -1,0 +1,101 @@
+"""Parameter and FLOP accounting (SPEC §1).
+
+- `total_params` / `active_params`: the run's headline formulas (matrices only; active excludes
+  embedding and LM head and counts K of E routed experts).
+- `exact_params`: every leaf of the model's own pytree (norms, gates, biases, conv taps included), from
+  `jax.eval_shape` of the initialiser, so it works for the 535B hero without allocating it.
+- `fwd_flops_per_token`: 2 * MACs of routed experts at latent width, shared experts, router, QKV/O
+  projections (G KV heads on local layers, G_global on global ones), attention scores and values with the
+  effective context (seq on global layers, min(seq, window) on local ones), the latent projections and
+  the LM head. Training FLOPs = 3 x forward (backward = 2 x forward); the 6*N_active*D rule is reported
+  beside it, labelled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from moejax.config import ModelConfig, RunConfig
+
+
+def _layer_params(m: ModelConfig, routed_experts: int) -> int:
+    d = m.d_model
+    attn = d * m.q_dim + 2 * d * m.kv_dim + m.q_dim * d
+    router = d * m.n_experts
+    latent = 2 * d * m.latent_width
+    shared = m.n_shared * 3 * d * m.shared_width
+    routed = routed_experts * 3 * m.latent_width * m.expert_width
+    return attn + router + latent + shared + routed
+
+
+def total_params(m: ModelConfig) -> int:
+    return m.n_layers * _layer_params(m, m.n_experts) + 2 * m.vocab_size * m.d_model
+
+
+def active_params(m: ModelConfig) -> int:
+    return m.n_layers * _layer_params(m, m.top_k)
+
+
+def exact_params(m: ModelConfig) -> int:
+    from moejax.model.transformer import Transformer
+
+    shapes = jax.eval_shape(lambda k: Transformer.init(m, k), jax.random.key(0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+def fwd_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    d, hd = m.d_model, m.head_dim
+    flops = 0.0
+    for layer in range(m.n_layers):
+        glob = m.is_global(layer)
+        kv_heads = m.n_kv_heads_global if glob else m.n_kv_heads
+        ctx = seq_len if glob else min(seq_len, m.window)
+        flops += 2 * (d * m.q_dim + 2 * d * kv_heads * hd + m.q_dim * d)  # QKV + O projections
+        flops += 2 * 2 * m.n_heads * hd * ctx  # scores + weighted values
+        flops += 2 * d * m.n_experts  # router
+        flops += 2 * 2 * d * m.latent_width  # latent down + up
+        flops += 2 * m.top_k * 3 * m.latent_width * m.expert_width  # routed experts at latent width
+        flops += 2 * m.n_shared * 3 * d * m.shared_width  # shared experts
+    return flops + 2 * d * m.vocab_size  # LM head
+
+
+def summary(cfg: RunConfig, exact: bool = True) -> dict:
+    m, t = cfg.model, cfg.train
+    fwd = fwd_flops_per_token(m, t.seq_len)
+    out = {
+        "preset": cfg.name,
+        "total_params": total_params(m),
+        "active_params": active_params(m),
+        "exact_params": exact_params(m) if exact else None,
+        "tokens_per_step": t.tokens_per_step,
+        "steps": t.steps,
+        "tokens": t.total_tokens,
+        "fwd_flops_per_token": fwd,
+        "train_flops": 3.0 * fwd * t.total_tokens,
+        "train_flops_6nd": 6.0 * active_params(m) * t.total_tokens,
+    }
+    return out
+
+
+LABELS = {
+    "total_params": "total parameters (L*(attn+router+latent+shared+all routed) + 2*V*d)",
+    "active_params": "active parameters (L*(attn+router+latent+shared+K routed); no embedding/head)",
+    "exact_params": "exact parameters of the model pytree (jax.eval_shape; norms, gates, convs incl.)",
+    "tokens_per_step": "tokens per step (batch * seq)",
+    "steps": "steps",
+    "tokens": "tokens (tokens per step * steps)",
+    "fwd_flops_per_token": "forward FLOPs per token (latent experts, eff. context, LM head)",
+    "train_flops": "training FLOPs = 3 x forward FLOPs/token x tokens  [the rule we use]",
+    "train_flops_6nd": "6 * N_active * D (for comparison only)",
+}
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"moejax count: preset {s['preset']}"]
+    for key, label in LABELS.items():
+        v = s[key]
+        txt = f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+        lines.append(f"  {label:<82} {txt}")
+    return "\n".join(lines)

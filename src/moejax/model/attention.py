@@ -1,0 +1,106 @@
+"""Local/global attention of the hero block (SPEC §2).
+
+Dimensions: B batch, S sequence (queries and keys), D width, H query heads, G projected KV heads,
+Hd head dim. Notable choices:
+- K and V project G heads; local layers use all G (H/G queries per KV head), global layers use only the
+  first G_global (H/G_global queries per head). One code path serves both so layers can be scanned:
+  the per-layer `is_global` flag selects the head map, the window and RoPE with `jnp.where`.
+- SConv on k (before QK-norm) and on the attention output (after W_o); never across documents.
+- QK-norm is parameter-free RMS over Hd (eps 1e-6); q is multiplied by qk_mult = 1.3; scale 1/sqrt(Hd).
+- RoPE on the first `rope_dim` dims, adjacent-pair convention (x[2i], x[2i+1]), theta 10,000, local
+  layers only; positions restart at every document.
+- XSA: each head's output loses its component along the token's own value vector.
+- Head gate 2*sigmoid(x W_gate) per head, W_gate zero-initialised (gate = 1 at init).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from moejax.config import ModelConfig
+from moejax.model.layers import init_conv, pytree_dataclass, rms_normalize, sconv, trunc_normal
+
+XSA_EPS = 1e-6
+NEG_INF = -1e30
+
+
+@pytree_dataclass
+class Attention:
+    wq: Float[Array, "D HHd"]
+    wk: Float[Array, "D GHd"]
+    wv: Float[Array, "D GHd"]
+    wo: Float[Array, "HHd D"]
+    head_gate: Float[Array, "D H"]
+    conv_k: Float[Array, "J GHd"]
+    conv_out: Float[Array, "J D"]
+
+    @staticmethod
+    def init(key, cfg: ModelConfig) -> "Attention":
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        d, std = cfg.d_model, cfg.init_std
+        return Attention(wq=trunc_normal(kq, (d, cfg.q_dim), std), wk=trunc_normal(kk, (d, cfg.kv_dim), std),
+                         wv=trunc_normal(kv, (d, cfg.kv_dim), std), wo=trunc_normal(ko, (cfg.q_dim, d), std),
+                         head_gate=jnp.zeros((d, cfg.n_heads), jnp.float32),
+                         conv_k=init_conv(cfg.conv_taps, cfg.kv_dim), conv_out=init_conv(cfg.conv_taps, d))
+
+
+def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: int, theta: float) -> Float[Array, "B S N Hd"]:
+    """Rotate adjacent pairs (2i, 2i+1) of the first rope_dim dims by positions * theta^(-2i/rope_dim)."""
+    inv_freq = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float32) / rope_dim)  # [rope_dim/2]
+    angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, S, 1, rope_dim/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    xr = x[..., :rope_dim].astype(jnp.float32)
+    even, odd = xr[..., 0::2], xr[..., 1::2]
+    rot = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(xr.shape)
+    return jnp.concatenate([rot.astype(x.dtype), x[..., rope_dim:]], axis=-1)
+
+
+def attention_mask(segment_ids: Int[Array, "B S"], window: int, is_global) -> Bool[Array, "B 1 S S"]:
+    """Causal, same-document, and (local layers) within `window` tokens: q - k < window."""
+    seq = segment_ids.shape[1]
+    q_pos = jnp.arange(seq)[:, None]
+    k_pos = jnp.arange(seq)[None, :]
+    causal = k_pos <= q_pos
+    in_window = jnp.logical_or(is_global, q_pos - k_pos < window)
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return ((causal & in_window)[None] & same_doc)[:, None]
+
+
+def kv_head_map(cfg: ModelConfig, is_global) -> Int[Array, "H"]:
+    """Which projected KV head each query head reads: H/G per head locally, H/G_global globally."""
+    heads = np.arange(cfg.n_heads)
+    local = heads // (cfg.n_heads // cfg.n_kv_heads)
+    glob = heads // (cfg.n_heads // cfg.n_kv_heads_global)
+    return jnp.where(is_global, glob, local)
+
+
+def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
+              is_global, cfg: ModelConfig) -> Float[Array, "B S D"]:
+    bsz, seq, _ = x.shape
+    dt = x.dtype
+    hd = cfg.head_dim
+    q = (x @ p.wq.astype(dt)).reshape(bsz, seq, cfg.n_heads, hd)
+    k = sconv(x @ p.wk.astype(dt), p.conv_k, segment_ids).reshape(bsz, seq, cfg.n_kv_heads, hd)
+    v = (x @ p.wv.astype(dt)).reshape(bsz, seq, cfg.n_kv_heads, hd)
+    q = rms_normalize(q, cfg.qk_norm_eps).astype(dt)
+    k = rms_normalize(k, cfg.qk_norm_eps).astype(dt)
+    q = jnp.where(is_global, q, rope(q, positions, cfg.rope_dim, cfg.rope_theta))
+    k = jnp.where(is_global, k, rope(k, positions, cfg.rope_dim, cfg.rope_theta))
+    head_map = kv_head_map(cfg, is_global)
+    k_h, v_h = k[:, :, head_map], v[:, :, head_map]  # [B, S, H, Hd]
+
+    scale = cfg.qk_mult / np.sqrt(hd)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_h, preferred_element_type=jnp.float32) * scale
+    mask = attention_mask(segment_ids, cfg.window, is_global)
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dt), v_h, preferred_element_type=jnp.float32)
+
+    v32 = v_h.astype(jnp.float32)  # XSA: drop the component along the token's own value vector
+    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
+    out = out - coef * v32
+    gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
+    out = (out * gate[..., None]).astype(dt).reshape(bsz, seq, cfg.q_dim)
+    return sconv(out @ p.wo.astype(dt), p.conv_out, segment_ids)

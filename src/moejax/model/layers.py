@@ -1,0 +1,79 @@
+"""Shared building blocks: parameter containers, init, RMSNorm + GatedNorm, SConv.
+
+Dimensions: B batch, S sequence, D width, R GatedNorm rank, C channels, J conv taps.
+Notable choices (SPEC §2):
+- Every matrix is stored `[..., fan_in, fan_out]` and drawn from sigma * truncated_normal(-3, 3),
+  sigma = 0.5 / sqrt(d_model); the optimizer relies on the last two dims being the matrix.
+- Norm internals run in fp32 and cast back to the input dtype.
+- GatedNorm: y = x * sigmoid(W_up silu(W_down x)), applied after RMSNorm at every norm site.
+- SConv is a causal depthwise conv whose taps never read across a packed-document boundary; tap 0 is the
+  current token and is initialised to 1 (identity at init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def pytree_dataclass(cls):
+    """A frozen dataclass registered as a pytree (all fields are children)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+
+
+def trunc_normal(key, shape, std: float) -> jax.Array:
+    return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
+
+
+def rms_normalize(x: Float[Array, "... D"], eps: float) -> Float[Array, "... D"]:
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: Float[Array, "... D"], gain: Float[Array, "D"], eps: float) -> Float[Array, "... D"]:
+    return (rms_normalize(x, eps) * gain.astype(jnp.float32)).astype(x.dtype)
+
+
+@pytree_dataclass
+class Norm:
+    """RMSNorm (learned gain) followed by a rank-R GatedNorm."""
+
+    gain: Float[Array, "D"]
+    down: Float[Array, "D R"]
+    up: Float[Array, "R D"]
+
+    @staticmethod
+    def init(key, d: int, rank: int, std: float) -> "Norm":
+        k1, k2 = jax.random.split(key)
+        return Norm(gain=jnp.ones((d,), jnp.float32), down=trunc_normal(k1, (d, rank), std),
+                    up=trunc_normal(k2, (rank, d), std))
+
+    def __call__(self, x: Float[Array, "B S D"], eps: float) -> Float[Array, "B S D"]:
+        h = rms_norm(x, self.gain, eps)
+        gate = jax.nn.sigmoid((jax.nn.silu(h @ self.down.astype(h.dtype)) @ self.up.astype(h.dtype)).astype(jnp.float32))
+        return (h.astype(jnp.float32) * gate).astype(x.dtype)
+
+
+def init_conv(taps: int, channels: int) -> Float[Array, "J C"]:
+    return jnp.zeros((taps, channels), jnp.float32).at[0].set(1.0)
+
+
+def sconv(x: Float[Array, "B S C"], taps_JC: Float[Array, "J C"], segment_ids: Int[Array, "B S"]) -> Float[Array, "B S C"]:
+    """Causal depthwise conv, y[t] = sum_j taps[j] * x[t-j], with x[t-j] zeroed across documents."""
+    n_taps = taps_JC.shape[0]
+    seq = x.shape[1]
+    y = x * taps_JC[0].astype(x.dtype)
+    for j in range(1, n_taps):
+        x_shift = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :seq]
+        seg_shift = jnp.pad(segment_ids, ((0, 0), (j, 0)), constant_values=-1)[:, :seq]
+        same_doc = (seg_shift == segment_ids)[..., None]
+        y = y + jnp.where(same_doc, x_shift, 0) * taps_JC[j].astype(x.dtype)
+    return y
+
+
+def swiglu(x: Float[Array, "... D"], w_gate: Float[Array, "D F"], w_up: Float[Array, "D F"],
+           w_down: Float[Array, "F D"]) -> Float[Array, "... D"]:
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

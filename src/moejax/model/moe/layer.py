@@ -1,0 +1,83 @@
+"""The MoE block (SPEC §2): router, latent transport, routed experts, shared experts, output SConv.
+
+Dimensions: T tokens (B*S flattened), D width, E experts, K choices, Z latent width, F expert width,
+S shared experts, Fs shared width.
+
+The routed experts read and write a Z-wide latent: z = RMSNorm(m W_down_lat), experts combine in latent
+space, then W_up_lat maps back to D. *Which* routed implementation runs is a parameter (`routed`): the
+dropless local path, the pooled-wave expert-parallel transport, or the dense reference — same weights,
+same call (STYLE rule 2). Each returns (y_TZ fp32, drop stats).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from moejax.config import ModelConfig
+from moejax.model.layers import init_conv, pytree_dataclass, rms_norm, sconv, trunc_normal
+from moejax.model.moe.experts import routed_local
+from moejax.model.moe.router import route, router_stats
+
+RoutedFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@pytree_dataclass
+class MoE:
+    router: Float[Array, "D E"]
+    router_bias: Float[Array, "E"]
+    lat_down: Float[Array, "D Z"]
+    lat_norm: Float[Array, "Z"]
+    lat_up: Float[Array, "Z D"]
+    w_gate: Float[Array, "E Z F"]
+    w_up: Float[Array, "E Z F"]
+    w_down: Float[Array, "E F Z"]
+    shared_gate: Float[Array, "S D Fs"]
+    shared_up: Float[Array, "S D Fs"]
+    shared_down: Float[Array, "S Fs D"]
+    conv_out: Float[Array, "J D"]
+
+    @staticmethod
+    def init(key, cfg: ModelConfig) -> "MoE":
+        ks = jax.random.split(key, 9)
+        d, z, f, e = cfg.d_model, cfg.latent_width, cfg.expert_width, cfg.n_experts
+        ns, fs, std = cfg.n_shared, cfg.shared_width, cfg.init_std
+        return MoE(router=trunc_normal(ks[0], (d, e), std), router_bias=jnp.zeros((e,), jnp.float32),
+                   lat_down=trunc_normal(ks[1], (d, z), std), lat_norm=jnp.ones((z,), jnp.float32),
+                   lat_up=trunc_normal(ks[2], (z, d), std), w_gate=trunc_normal(ks[3], (e, z, f), std),
+                   w_up=trunc_normal(ks[4], (e, z, f), std), w_down=trunc_normal(ks[5], (e, f, z), std),
+                   shared_gate=trunc_normal(ks[6], (ns, d, fs), std), shared_up=trunc_normal(ks[7], (ns, d, fs), std),
+                   shared_down=trunc_normal(ks[8], (ns, fs, d), std), conv_out=init_conv(cfg.conv_taps, d))
+
+
+def routed_local_with_stats(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_down):
+    """The dropless local path with the same stats contract as the transport (nothing dropped)."""
+    y = routed_local(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_down)
+    k = expert_TK.shape[1]
+    valid = jnp.sum(mask_T).astype(jnp.int32) * k
+    zero = jnp.zeros((), jnp.int32)
+    return y, {"valid": valid, "kept": valid, "sender_dropped": zero, "receiver_dropped": zero,
+               "padding_skipped": (mask_T.shape[0] * k - valid).astype(jnp.int32)}
+
+
+def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cfg: ModelConfig,
+              routed: RoutedFn = routed_local_with_stats) -> tuple[Float[Array, "B S D"], dict]:
+    bsz, seq, d = m.shape
+    dt = m.dtype
+    m_TD = m.reshape(bsz * seq, d)
+    mask_T = segment_ids.reshape(-1) > 0
+    r = route(m_TD, p.router, p.router_bias, cfg.top_k, cfg.combine_scale)
+    z_TZ = rms_norm(m_TD @ p.lat_down.astype(dt), p.lat_norm, cfg.norm_eps)
+    y_TZ, drops = routed(z_TZ, r.expert_TK, r.weight_TK, mask_T, p.w_gate.astype(dt), p.w_up.astype(dt),
+                         p.w_down.astype(dt))
+    y_TD = y_TZ.astype(dt) @ p.lat_up.astype(dt)
+    for s in range(cfg.n_shared):
+        h = jax.nn.silu(m_TD @ p.shared_gate[s].astype(dt)) * (m_TD @ p.shared_up[s].astype(dt))
+        y_TD = y_TD + h @ p.shared_down[s].astype(dt)
+    out = sconv(y_TD.reshape(bsz, seq, d), p.conv_out, segment_ids)
+    stats = {**router_stats(r, mask_T), **drops,
+             "margins": r.logits_TE - r.threshold_T[:, None]}  # consumed by QB, then dropped
+    return out, stats

@@ -1,0 +1,142 @@
+"""The hero MoE transformer: embedding, scanned pre-norm blocks, LM head, and the loss (SPEC §2).
+
+Dimensions: B batch, S sequence, D width, V vocab, L layers.
+Notable choices:
+- Blocks are stacked along a leading L axis and run with `jax.lax.scan` (compile time independent of
+  depth); the per-layer `is_global` flag is scanned alongside, so local and global layers share one body.
+- Norm sites: after the embedding, before attention, before the MoE, before the LM head — each RMSNorm +
+  GatedNorm. Untied embedding and LM head.
+- Compute in `cfg.compute_dtype` (bf16 on the hero); router logits, norm internals and the loss in fp32.
+- Loss: next-token cross-entropy with fp32 logits + z-loss 1e-4 * logsumexp^2, averaged over the
+  positions whose target lies in the same document. With `loss_vocab_block > 0` the LM head is streamed
+  over vocab blocks with an online logsumexp, so [T, V] fp32 logits never exist at once.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from moejax.config import ModelConfig
+from moejax.model.attention import Attention, attention
+from moejax.model.layers import Norm, pytree_dataclass, trunc_normal
+from moejax.model.moe.layer import MoE, RoutedFn, moe_block, routed_local_with_stats
+
+
+@pytree_dataclass
+class Block:
+    attn_norm: Norm
+    attn: Attention
+    moe_norm: Norm
+    moe: MoE
+
+    @staticmethod
+    def init(key, cfg: ModelConfig) -> "Block":
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        rank, std = cfg.gated_norm_rank, cfg.init_std
+        return Block(attn_norm=Norm.init(k1, cfg.d_model, rank, std), attn=Attention.init(k2, cfg),
+                     moe_norm=Norm.init(k3, cfg.d_model, rank, std), moe=MoE.init(k4, cfg))
+
+
+@pytree_dataclass
+class Transformer:
+    embed: Float[Array, "V D"]
+    embed_norm: Norm
+    blocks: Block  # every leaf has a leading L axis
+    final_norm: Norm
+    lm_head: Float[Array, "D V"]
+
+    @staticmethod
+    def init(cfg: ModelConfig, key) -> "Transformer":
+        ke, kn, kb, kf, kh = jax.random.split(key, 5)
+        rank, std = cfg.gated_norm_rank, cfg.init_std
+        blocks = jax.vmap(lambda k: Block.init(k, cfg))(jax.random.split(kb, cfg.n_layers))
+        return Transformer(embed=trunc_normal(ke, (cfg.vocab_size, cfg.d_model), std),
+                           embed_norm=Norm.init(kn, cfg.d_model, rank, std), blocks=blocks,
+                           final_norm=Norm.init(kf, cfg.d_model, rank, std),
+                           lm_head=trunc_normal(kh, (cfg.d_model, cfg.vocab_size), std))
+
+
+LayerHook = Callable[[dict], dict]
+
+
+def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"],
+            positions: Int[Array, "B S"], cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
+            layer_hook: LayerHook | None = None, remat: bool = True) -> tuple[Float[Array, "B S D"], dict]:
+    """Final hidden states (after the final norm) and per-layer stats stacked along L.
+
+    `layer_hook` maps one layer's raw MoE stats to what is kept (e.g. margins -> QB bias); by default the
+    [T, E] margins are dropped so nothing of that size is stacked over layers.
+    """
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = params.embed_norm(params.embed[tokens].astype(dt), cfg.norm_eps)
+    hook = layer_hook or (lambda s: {k: v for k, v in s.items() if k != "margins"})
+
+    def body(x, layer):
+        blk, is_global = layer
+        h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg)
+        x = x + h
+        h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed)
+        return x + h, hook(stats)
+
+    if remat:
+        body = jax.checkpoint(body)
+    x, stats = jax.lax.scan(body, x, (params.blocks, jnp.asarray(cfg.global_layers)))
+    return params.final_norm(x, cfg.norm_eps), stats
+
+
+def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int[Array, "B S"],
+            loss_mask: Array, z_loss_weight: float, vocab_block: int = 0) -> dict[str, jax.Array]:
+    """Masked mean cross-entropy and z-loss over fp32 logits; `loss` = ce + z_loss_weight * mean(lse^2)."""
+    h_TD = h.reshape(-1, h.shape[-1])
+    t_T = targets.reshape(-1)
+    w_T = loss_mask.reshape(-1).astype(jnp.float32)
+    if vocab_block and vocab_block < lm_head.shape[1]:
+        lse, target_logit = _streamed_lse(h_TD, lm_head.astype(h.dtype), t_T, vocab_block)
+    else:
+        logits = jnp.einsum("td,dv->tv", h_TD, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
+    n = jnp.maximum(jnp.sum(w_T), 1.0)
+    ce = jnp.sum((lse - target_logit) * w_T) / n
+    z = jnp.sum(lse * lse * w_T) / n
+    return {"loss": ce + z_loss_weight * z, "cross_entropy_loss": ce, "z_loss": z, "tokens": jnp.sum(w_T)}
+
+
+def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
+    """Online logsumexp over vocab blocks (remat per block): O(T * block) fp32 live logits."""
+    d, v = lm_head_DV.shape
+    n_blocks = -(-v // block)
+    pad = n_blocks * block - v
+    w_NDB = jnp.pad(lm_head_DV, ((0, 0), (0, pad))).reshape(d, n_blocks, block).transpose(1, 0, 2)
+
+    @jax.checkpoint
+    def step(carry, xs):
+        m, s, tl = carry
+        w_DB, i = xs
+        logits = jnp.einsum("td,db->tb", h_TD, w_DB, preferred_element_type=jnp.float32)
+        col = i * block + jnp.arange(block)
+        logits = jnp.where(col[None, :] < v, logits, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, -1))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[:, None]), -1)
+        hit = col[None, :] == t_T[:, None]
+        tl = tl + jnp.sum(jnp.where(hit, logits, 0.0), -1)
+        return (m_new, s, tl), None
+
+    t = h_TD.shape[0]
+    init = (jnp.full((t,), -jnp.inf, jnp.float32), jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.float32))
+    (m, s, tl), _ = jax.lax.scan(step, init, (w_NDB, jnp.arange(n_blocks)))
+    return m + jnp.log(s), tl
+
+
+def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
+               layer_hook: LayerHook | None = None, remat: bool = True) -> tuple[jax.Array, dict]:
+    """Scalar training loss and everything worth logging (loss parts + per-layer MoE stats)."""
+    h, layer_stats = forward(params, batch["tokens"], batch["segment_ids"], batch["positions"], cfg, routed,
+                             layer_hook, remat)
+    parts = lm_loss(h, params.lm_head, batch["targets"], batch["loss_mask"], cfg.z_loss_weight,
+                    cfg.loss_vocab_block)
+    return parts["loss"], {**parts, "layers": layer_stats}
