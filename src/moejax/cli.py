@@ -1,0 +1,108 @@
+"""`moejax` command line: thin wrappers over the library.
+
+  moejax count PRESET [--json]                       parameter / FLOP accounting
+  moejax train --preset P --run-dir DIR [--steps N] [--set section.field=value ...]
+  moejax summary RUN_DIR                             first/last loss, tokens/s, MFU of a finished run
+
+User errors (bad config, preset, run dir) print one line `moejax: error: ...` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from moejax.config import PRESET_NAMES, ConfigError, apply_overrides, preset
+
+EXIT_USAGE = 2
+
+
+def _cmd_count(args) -> int:
+    from moejax import accounting
+
+    s = accounting.summary(preset(args.preset))
+    print(json.dumps(s, indent=2) if args.json else accounting.format_summary(s))
+    return 0
+
+
+def _resolve(args):
+    cfg = preset(args.preset)
+    cfg = apply_overrides(cfg, args.set or [])
+    if args.steps is not None:
+        cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
+    return cfg
+
+
+def _cmd_train(args) -> int:
+    from moejax.train.loop import RunOptions, train
+
+    cfg = _resolve(args)
+    opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
+                      peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat)
+    summary = train(cfg, Path(args.run_dir), opts)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_summary(args) -> int:
+    path = Path(args.run_dir) / "summary.json"
+    if not path.exists():
+        raise ConfigError(f"no summary.json in {args.run_dir} (did the run finish?)")
+    s = json.loads(path.read_text())
+    print(f"run {args.run_dir} ({s['preset']}): {s['steps']} steps in {s['wall_seconds']:.0f} s")
+    print(f"  train loss  {s['first_loss']:.3f} -> {s['last_loss']:.3f}")
+    if "eval/loss" in s:
+        print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}")
+    print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   MFU {100 * s['mfu']:.1f}% of measured matmul peak")
+    print(f"  MoE drops   {100 * s['drop_fraction']:.2f}%")
+    print(f"  files       {args.run_dir}/metrics.jsonl, config.json, run_info.json, summary.json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moejax", description="Mixture-of-Experts pretraining on JAX")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("count", help="parameter and FLOP accounting of a preset")
+    c.add_argument("preset", help=f"one of {', '.join(PRESET_NAMES)}")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=_cmd_count)
+
+    t = sub.add_parser("train", help="train a preset")
+    t.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESET_NAMES)}")
+    t.add_argument("--run-dir", required=True)
+    t.add_argument("--steps", type=int)
+    t.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeatable)")
+    t.add_argument("--overwrite", action="store_true", help="delete an existing run in --run-dir and start over")
+    t.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
+    t.add_argument("--wandb-project", default="moejax")
+    t.add_argument("--peak-flops", type=float, default=0.0, help="FLOP/s for MFU (default: measure fp32 matmul)")
+    t.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("summary", help="print the summary of a finished run")
+    s.add_argument("run_dir")
+    s.set_defaults(fn=_cmd_summary)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from moejax.train.loop import RunError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, RunError) as e:
+        print(f"moejax: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("moejax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
