@@ -1,0 +1,501 @@
+"""Checkpoints: one directory per step, an atomic completion marker, newest-complete resume.
+
+Layout (SPEC §5, STYLE rule 11)::
+
+    run_dir/checkpoints/step_00006000/
+        metadata.json   step, wall time, kind, temporary?, config hash, mesh shape, model config, extras
+        state/          the whole train state, orbax StandardCheckpointHandler (OCDBT), written async
+        COMMITTED       completion marker, written LAST (temp name -> fsync -> rename -> fsync dir)
+
+Notable choices and where they come from:
+
+- Array I/O is orbax's (`AsyncCheckpointer` + `StandardSave`/`StandardRestore`); nothing here writes
+  tensors. orbax already commits `state/` by renaming a temp dir, but a step directory is only trusted
+  once `COMMITTED` exists, and that file is written by our commit thread strictly after orbax's
+  background write has finished. A crash (even kill -9) at any earlier moment leaves no marker, and a
+  dir without a marker is ignored by discovery.
+- Policy (SPEC §5): permanent every `permanent_every` steps, a rolling temporary when
+  `temporary_every_s` elapsed since the last save, a `final` (permanent) one at the end. A temporary
+  is superseded by ANY newer complete checkpoint; superseded temporaries and older incomplete dirs are
+  deleted only after that newer checkpoint's marker is on disk (marker removed first, so a crash
+  mid-delete leaves an incomplete dir, never a complete-looking broken one).
+- Restore targets are `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`, so a checkpoint saved on one
+  mesh restores onto another (8 devices -> 1, different layout) and into memory kind `pinned_host`.
+  Python scalars in the abstract state (e.g. a data position `int`) come back as Python scalars.
+- Restore falls back from the newest complete checkpoint to older ones with a one-line warning each;
+  if none works, one error lists everything tried. A model-config mismatch is NOT a reason to fall
+  back (older checkpoints of the same run share the config): it raises at once.
+- Multi-process: every process calls `save`/`restore*`/`should_save`; orbax coordinates the multi-host
+  array write; process 0 alone writes JSON, the marker and deletes. `should_save` is process 0's
+  decision broadcast to all (wall clocks differ between hosts); restore success and preemption
+  flags are OR/AND-reduced across processes so every host takes the same branch. The filesystem
+  must be shared. Only the 1-process path is exercised by tests.
+- `EXIT_PREEMPTED = 75` (sysexits EX_TEMPFAIL, "temporary failure, retry"): the run saved after a
+  SIGTERM/SIGINT and wants to be restarted; distinct from 143 (128+SIGTERM, killed before saving).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after preemption, resume me
+MARKER = "COMMITTED"
+METADATA = "metadata.json"
+STATE = "state"
+KINDS = ("permanent", "temporary", "final")
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_MISSING = "<missing>"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, found or read. Messages are one line."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """The checkpoint's model config differs from the current one (never a reason to fall back)."""
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool  # has the completion marker
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
+    """All step directories under `run_dir/checkpoints`, oldest first (complete or not)."""
+    ckdir = Path(run_dir) / "checkpoints"
+    if not ckdir.is_dir():
+        return []
+    out = []
+    for p in ckdir.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir():
+            out.append(CheckpointInfo(int(m.group(1)), p, (p / MARKER).is_file()))
+    return sorted(out, key=lambda i: i.step)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temp name, fsync, rename over `path`, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def ensure_writable(run_dir: str | os.PathLike) -> Path:
+    """Create `run_dir/checkpoints` and prove a file can be written there; returns that dir.
+
+    Call before training starts so an unwritable run dir fails in seconds, not at the first save.
+    """
+    ckdir = Path(run_dir) / "checkpoints"
+    try:
+        ckdir.mkdir(parents=True, exist_ok=True)
+        probe = ckdir / f".write-probe-{os.getpid()}"
+        _atomic_write(probe, b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"run dir {run_dir} is not writable: {type(e).__name__}: {e}") from None
+    return ckdir
+
+
+def _read_metadata(step_dir: Path) -> dict:
+    try:
+        meta = json.loads((step_dir / METADATA).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{step_dir}: unreadable {METADATA}: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise CheckpointError(f"{step_dir}: {METADATA} has no 'step' field")
+    return meta
+
+
+def _delete_checkpoint(path: Path) -> None:
+    # Marker first: a crash mid-rmtree then leaves an (ignored) incomplete dir.
+    (path / MARKER).unlink(missing_ok=True)
+    _fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- config checks
+
+
+def _normalize(d: dict) -> dict:
+    # JSON round trip, so tuples vs lists (metadata.json has only lists) never count as a mismatch.
+    return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+
+def config_hash(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(_normalize(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_compatible(saved_model_cfg: dict, current: dict, *, ignore: Iterable[str] = ()) -> None:
+    """Raise `IncompatibleCheckpointError` naming the first differing field (dotted for nesting).
+
+    `ignore` lists fields allowed to change across a resume (e.g. sequence length at a context
+    extension). Fields are compared in the current config's order, then fields only the checkpoint has.
+    """
+    saved, cur = _flatten(_normalize(saved_model_cfg)), _flatten(_normalize(current))
+    skip = set(ignore)
+    for key in [*cur, *(k for k in saved if k not in cur)]:
+        if key in skip:
+            continue
+        a, b = saved.get(key, _MISSING), cur.get(key, _MISSING)
+        if a != b:
+            raise IncompatibleCheckpointError(
+                f"checkpoint incompatible with the current model config: {key} is {a!r} "
+                f"in the checkpoint but {b!r} now"
+            )
+
+
+# ----------------------------------------------------------------------------- multi-process
+
+
+def _is_primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _broadcast_from_primary(code: int) -> int:
+    if jax.process_count() == 1:
+        return code
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+
+
+def _any_process(flag: bool) -> bool:
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+def _mesh_shape(state: Any) -> dict[str, int] | None:
+    for leaf in jax.tree.leaves(state):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+    return None
+
+
+def _reject_typed_keys(state: Any) -> None:
+    for leaf in jax.tree.leaves(state):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise CheckpointError("train state holds a typed PRNG key; store jax.random.key_data(key)")
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+def abstract_target(abstract_state: Any, shardings: Any = None) -> Any:
+    """Restore target: each array leaf -> `ShapeDtypeStruct(shape, dtype, sharding)`.
+
+    Sharding comes from `shardings` (a pytree matching the state, or one Sharding for every leaf),
+    else from the leaf itself (a live array or a ShapeDtypeStruct with sharding), else device 0.
+    Python scalars and numpy arrays stay as they are (orbax restores them as the same type); note
+    `jax.eval_shape` turns a Python int into an int32 ShapeDtypeStruct, which restores as an array.
+    """
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def leaf(x, s=None):
+        if isinstance(x, (int, float, bool, np.ndarray, np.generic)):
+            return x
+        sharding = s or getattr(x, "sharding", None) or default
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    if shardings is None:
+        return jax.tree.map(leaf, abstract_state)
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: leaf(x, shardings), abstract_state)
+    return jax.tree.map(leaf, abstract_state, shardings)
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    line = " / ".join(t.strip() for t in str(e).strip().splitlines() if t.strip())
+    line = line.split(" [tensorstore_spec")[0]  # tensorstore appends kilobytes of JSON spec
+    line = line if len(line) <= limit else line[:limit] + "..."
+    return f"{type(e).__name__}: {line}"
+
+
+def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = None, *,
+            model_config: dict | None = None, ignore: Iterable[str] = ()) -> tuple[Any, dict]:
+    """Restore one specific complete checkpoint (e.g. `--init-from`). Returns (state, metadata).
+
+    With `model_config`, the saved model config is checked first (`IncompatibleCheckpointError`).
+    Any other failure is a one-line `CheckpointError` naming the directory.
+    """
+    step_dir = Path(step_dir)
+    if not (step_dir / MARKER).is_file():
+        raise CheckpointError(f"{step_dir}: incomplete checkpoint (no {MARKER} marker)")
+    meta = _read_metadata(step_dir)
+    if model_config is not None and "model_config" in meta:
+        check_compatible(meta["model_config"], model_config, ignore=ignore)
+    target = abstract_target(abstract_state, shardings)
+    try:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+            state = ckptr.restore(step_dir / STATE, args=ocp.args.StandardRestore(target))
+    except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
+        raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
+    return state, meta
+
+
+def restore_latest(run_dir: str | os.PathLike, abstract_state: Any, shardings: Any = None, *,
+                   model_config: dict | None = None, ignore: Iterable[str] = ()) -> tuple[Any, dict] | None:
+    """Newest complete checkpoint that restores, falling back to older ones; None if there is none.
+
+    Incomplete dirs are skipped silently. Each unusable complete one logs a one-line warning; if all
+    fail, `CheckpointError` lists every directory tried and why.
+    """
+    candidates = [i for i in reversed(list_checkpoints(run_dir)) if i.complete]
+    if not candidates:
+        return None
+    tried = []
+    for info in candidates:
+        try:
+            result, err = restore(info.path, abstract_state, shardings, model_config=model_config, ignore=ignore), None
+        except IncompatibleCheckpointError:
+            raise
+        except CheckpointError as e:
+            result, err = None, e
+        if not _any_process(err is not None):  # every host must take the same branch
+            return result
+        msg = str(err) if err is not None else f"{info.path}: restore failed on another process"
+        log.warning("checkpoint unusable, falling back to an older one: %s", msg)
+        tried.append(msg)
+    raise CheckpointError(f"no usable checkpoint in {Path(run_dir) / 'checkpoints'}; tried: " + " | ".join(tried))
+
+
+# ----------------------------------------------------------------------------- manager
+
+
+class CheckpointManager:
+    """Save policy + async saving with an atomic completion marker + garbage collection.
+
+    Typical loop::
+
+        ckpt = CheckpointManager(run_dir, permanent_every=6000, model_config=cfg_dict)
+        restored = ckpt.restore_latest(abstract_state)
+        with PreemptionGuard() as guard:
+            for step in ...:
+                state = train_step(state)
+                if guard.stop_requested():
+                    ckpt.save(step, state, kind="final"); ckpt.wait(); sys.exit(EXIT_PREEMPTED)
+                if kind := ckpt.should_save(step):
+                    ckpt.save(step, state, kind=kind)
+        ckpt.save(last_step, state, kind="final"); ckpt.close()
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, permanent_every: int, temporary_every_s: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic, model_config: dict | None = None,
+                 run_config: dict | None = None):
+        if permanent_every <= 0:
+            raise ValueError(f"permanent_every ({permanent_every}) must be positive")
+        if temporary_every_s <= 0:
+            raise ValueError(f"temporary_every_s ({temporary_every_s}) must be positive")
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = ensure_writable(run_dir)
+        self.permanent_every = permanent_every
+        self.temporary_every_s = temporary_every_s
+        self._clock = clock
+        self._model_config = model_config
+        self._run_config = run_config
+        self._last_save_time = clock()
+        self._ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+        self._commit_thread: threading.Thread | None = None
+        self._commit_error: BaseException | None = None
+        self._completed: set[int] = set()  # steps this manager saved and committed
+
+    # -- policy
+
+    def decide(self, step: int, now: float | None = None) -> str | None:
+        """This process's policy decision (pure): "permanent", "temporary" or None."""
+        now = self._clock() if now is None else now
+        if step > 0 and step % self.permanent_every == 0:
+            return "permanent"
+        if now - self._last_save_time >= self.temporary_every_s:
+            return "temporary"
+        return None
+
+    def should_save(self, step: int, now: float | None = None) -> str | None:
+        """Process 0's `decide` broadcast to every process (a collective when multi-process)."""
+        codes = (None, "permanent", "temporary")
+        return codes[_broadcast_from_primary(codes.index(self.decide(step, now)))]
+
+    # -- saving
+
+    def _metadata(self, step: int, kind: str, state: Any, extra: dict | None) -> dict:
+        meta = {"step": int(step), "wall_time": time.time(), "kind": kind, "temporary": kind == "temporary",
+                "config_hash": config_hash(self._run_config or self._model_config or {}),
+                "mesh_shape": _mesh_shape(state), "process_count": jax.process_count(),
+                "model_config": self._model_config}
+        return {**meta, **_normalize(extra or {})}
+
+    def save(self, step: int, state: Any, *, kind: str = "permanent", extra_metadata: dict | None = None) -> Path:
+        """Start an async save of `state` at `step`; returns the step dir (not yet complete).
+
+        Blocks only for the previous save to finish and for orbax's device->host copy; the write and
+        the marker happen in the background. kind: "permanent" | "temporary" | "final" (permanent).
+        Saving a step this manager already committed (e.g. "final" right after a permanent at the
+        same step) only rewrites metadata.json; any other dir of the same step (a crashed save, or a
+        broken one left behind by a fallback restore) is replaced.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
+        _reject_typed_keys(state)
+        self._finish_pending()
+        path = self.ckpt_dir / step_dir_name(step)
+        meta = json.dumps(self._metadata(step, kind, state, extra_metadata), indent=1).encode()
+        if step in self._completed:
+            if kind != "temporary" and _is_primary():  # upgrade in place; never downgrade to temporary
+                _atomic_write(path / METADATA, meta)
+            return path
+        if _is_primary():
+            if path.exists():
+                _delete_checkpoint(path)
+            path.mkdir()
+            _atomic_write(path / METADATA, meta)
+        self._ckptr.save(path / STATE, args=ocp.args.StandardSave(state))  # all processes; orbax syncs them
+        self._last_save_time = self._clock()
+        self._commit_thread = threading.Thread(target=self._commit, args=(step, path), name=f"ckpt-commit-{step}")
+        self._commit_thread.start()
+        return path
+
+    def _commit(self, step: int, path: Path) -> None:
+        try:
+            self._ckptr.wait_until_finished()  # orbax's background write (and multi-host barriers)
+            if _is_primary():
+                _atomic_write(path / MARKER, f"{step}\n".encode())
+                self._collect_garbage(step)
+            self._completed.add(step)
+        except BaseException as e:  # surfaced by the next save()/wait()
+            self._commit_error = e
+
+    def _collect_garbage(self, newest_complete: int) -> None:
+        """Delete temporaries and incomplete dirs older than the checkpoint that just completed."""
+        for info in list_checkpoints(self.run_dir):
+            if info.step >= newest_complete:
+                continue
+            if not info.complete:
+                _delete_checkpoint(info.path)
+                continue
+            try:
+                temporary = bool(_read_metadata(info.path).get("temporary"))
+            except CheckpointError:
+                continue  # never delete what we cannot identify
+            if temporary:
+                _delete_checkpoint(info.path)
+
+    def _finish_pending(self) -> None:
+        if self._commit_thread is not None:
+            self._commit_thread.join()
+            self._commit_thread = None
+        if self._commit_error is not None:
+            err, self._commit_error = self._commit_error, None
+            raise CheckpointError(f"checkpoint save failed: {_one_line(err)}") from err
+
+    def wait(self) -> None:
+        """Block until the in-flight save is complete (marker written, old temporaries deleted)."""
+        self._finish_pending()
+
+    def close(self) -> None:
+        try:
+            self._finish_pending()
+        finally:
+            self._ckptr.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- restoring
+
+    def restore_latest(self, abstract_state: Any, shardings: Any = None, *, ignore: Iterable[str] = ()):
+        """`restore_latest(run_dir, ...)` with this manager's model config checked."""
+        self._finish_pending()
+        return restore_latest(self.run_dir, abstract_state, shardings, model_config=self._model_config, ignore=ignore)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+class PreemptionGuard:
+    """Turn SIGTERM/SIGINT into a flag (`requested`) so the loop can save and exit `EXIT_PREEMPTED`.
+
+    Old handlers are restored on exit. A second SIGINT while a request is pending raises
+    KeyboardInterrupt (a human pressing Ctrl-C twice wants out now). Must be entered in the main
+    thread (a Python signal rule).
+    """
+
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
+        self.signals = tuple(signals)
+        self.requested = False
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested, self.signum = True, signum
+
+    def stop_requested(self) -> bool:
+        """`requested` OR-reduced over processes (a collective: call it at the same step everywhere)."""
+        return _any_process(self.requested)
+
+    def __enter__(self) -> PreemptionGuard:
+        for s in self.signals:
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old.clear()

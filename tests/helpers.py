@@ -1,0 +1,43 @@
+"""Small shared fixtures for tests: a toy config exercising every hero feature, and random batches."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import HERO_MODEL
+
+
+def toy_model(**kw):
+    base = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, head_dim=8, n_kv_heads=2, n_kv_heads_global=1,
+                window=6, rope_dim=4, gated_norm_rank=4, n_experts=8, top_k=2, expert_width=16, latent_width=16,
+                n_shared=2, shared_width=16, compute_dtype="float32")
+    base.update(kw)
+    return replace(HERO_MODEL, **base)
+
+
+def toy_batch(cfg, batch=2, seq=16, seed=0, doc_lens=((5, 11), (16,))):
+    """Packed rows: doc_lens[b] lists document lengths of row b (0-padding after them if short)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
+    seg = np.zeros((batch, seq + 1), np.int32)
+    pos = np.zeros((batch, seq + 1), np.int32)
+    for b in range(batch):
+        lens = doc_lens[b % len(doc_lens)]
+        start = 0
+        for i, n in enumerate(lens):
+            seg[b, start:start + n] = i + 1
+            pos[b, start:start + n] = np.arange(n)
+            start += n
+        if start <= seq:  # the extra target position continues the last document
+            seg[b, start:] = seg[b, start - 1] if start == seq else 0
+    return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+            "segment_ids": jnp.asarray(seg[:, :-1]), "positions": jnp.asarray(pos[:, :-1]),
+            "loss_mask": jnp.asarray((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0))}
+
+
+def rand_tree_like(tree, key, scale=0.1):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])

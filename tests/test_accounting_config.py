@@ -1,0 +1,103 @@
+"""Accounting numbers (SPEC §1, §5) and config validation messages."""
+
+import pytest
+
+from moejax import accounting
+from moejax.config import (HERO, PRESET_NAMES, ConfigError, ModelConfig, ParallelConfig, RunConfig, apply_overrides,
+                           preset)
+
+
+def test_hero_accounting_exact():
+    s = accounting.summary(HERO)
+    assert s["total_params"] == 535_305_388_032
+    assert s["active_params"] == 22_762_487_808
+    assert s["exact_params"] == 535_477_106_688
+    assert s["tokens_per_step"] == 46_137_344
+    assert s["steps"] == 390_139
+    assert s["tokens"] == 46_137_344 * 390_139
+    assert s["fwd_flops_per_token"] == pytest.approx(4.99e10, rel=1e-3)
+    assert s["train_flops"] == pytest.approx(2.70e24, rel=5e-3)
+    assert s["train_flops_6nd"] == pytest.approx(2.46e24, rel=5e-3)
+
+
+def test_hero_per_layer_terms():
+    m = HERO.model
+    assert m.d_model * m.q_dim + 2 * m.d_model * m.kv_dim + m.q_dim * m.d_model == 94_371_840
+    assert m.n_experts * 3 * m.latent_width * m.expert_width == 10_871_635_968
+    assert m.n_global_layers == 12
+
+
+# Hand-derived from the ladder rule: (layers, heads) per width, head dim 128, KV H//4 and max(1, H//8),
+# expert = latent = shared width = d/2, 384 experts top-8, vocab 128,256, 1024 x 4096 tokens per step.
+RUNGS = {
+    "d768": dict(total=1_588_199_424, active=60_555_264, steps=11_420),
+    "d1024": dict(total=3_973_054_464, active=162_004_992, steps=30_552),
+    "d1536": dict(total=11_520_442_368, active=481_296_384, steps=90_767),
+    "d2048": dict(total=27_717_533_696, active=1_170_735_104, steps=220_788),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNGS))
+def test_ladder_rungs(name):
+    cfg = preset(name)
+    s = accounting.summary(cfg, exact=False)
+    assert s["total_params"] == RUNGS[name]["total"]
+    assert s["active_params"] == RUNGS[name]["active"]
+    assert s["steps"] == RUNGS[name]["steps"] == round(791 * s["active_params"] / (1024 * 4096))
+    m = cfg.model
+    assert m.expert_width == m.latent_width == m.shared_width == m.d_model // 2
+    assert m.n_kv_heads == max(1, m.n_heads // 4) and m.n_kv_heads_global == max(1, m.n_heads // 8)
+    # one rung by hand: d768 attention = 768*768 + 2*768*128 + 768*768
+    if name == "d768":
+        per_layer_attn = 768 * 768 + 2 * 768 * 128 + 768 * 768
+        per_layer = per_layer_attn + 768 * 384 + 2 * 768 * 384 + 2 * 3 * 768 * 384 + 8 * 3 * 384 * 384
+        assert s["active_params"] == 8 * per_layer
+
+
+def test_ladder_share_of_hero_compute():
+    hero = accounting.summary(HERO, exact=False)["train_flops"]
+    share = sum(accounting.summary(preset(n), exact=False)["train_flops"] for n in RUNGS) / hero
+    assert share == pytest.approx(0.0042, abs=0.0002)
+
+
+def test_tiny_exercises_every_hero_feature():
+    m = preset("tiny").model
+    t = preset("tiny").train
+    assert m.n_experts >= 16 and m.n_experts % 8 == 0 and m.top_k >= 2 and m.n_shared == 2
+    assert 0 < m.n_global_layers < m.n_layers and m.window < t.seq_len
+    assert m.latent_width < m.d_model and m.n_kv_heads_global < m.n_kv_heads
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(n_heads=6, n_kv_heads=4), ["n_heads (6)", "n_kv_heads (4)"]),
+    (dict(n_experts=8, top_k=8), ["top_k (8)", "n_experts (8)"]),
+    (dict(d_model=0), ["d_model (0)"]),
+    (dict(rope_dim=3), ["rope_dim (3)"]),
+])
+def test_model_validation_names_field_and_values(kwargs, words):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_run_validation_names_numbers():
+    with pytest.raises(ConfigError, match=r"n_experts \(384\) is not divisible by the expert axis \(5\)"):
+        RunConfig(parallel=ParallelConfig(expert=5))
+    with pytest.raises(ConfigError, match=r"batch_size \(11264\) is not divisible by the batch shards"):
+        RunConfig(parallel=ParallelConfig(replica_dcn=3))
+
+
+def test_overrides():
+    cfg = apply_overrides(preset("tiny"), ["model.n_layers=2", "train.learning_rate=1e-3"])
+    assert cfg.model.n_layers == 2 and cfg.train.learning_rate == 1e-3
+    for bad in ["model.nope=1", "model.n_layers=two", "bogus.x=1", "n_layers=2", "model.n_heads=5"]:
+        with pytest.raises(ConfigError):
+            apply_overrides(preset("tiny"), [bad])
+
+
+def test_all_presets_resolve():
+    for name in PRESET_NAMES:
+        assert preset(name).name == name
+    with pytest.raises(ConfigError, match="unknown preset 'd999'"):
+        preset("d999")

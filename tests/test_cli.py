@@ -1,0 +1,66 @@
+"""The CLI as a user runs it: count, a short training run, and one-line errors with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moejax.cli import main
+
+ENV = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": ""}
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "moejax.cli", *args], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=600)
+
+
+def test_count_json_hero(capsys):
+    assert main(["count", "hero", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["total_params"] == 535_305_388_032 and s["exact_params"] == 535_477_106_688
+    for key in ["active_params", "tokens_per_step", "steps", "tokens", "fwd_flops_per_token", "train_flops",
+                "train_flops_6nd"]:
+        assert key in s
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["count", "nope"], "unknown preset 'nope'"),
+    (["train", "--preset", "tiny", "--run-dir", "RUN", "--set", "model.n_heads=5"], "n_heads (5)"),
+    (["train", "--preset", "tiny", "--run-dir", "RUN", "--set", "model.top_k=16"], "top_k (16)"),
+])
+def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
+    argv = [a.replace("RUN", str(tmp_path / "r")) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_short_training_run_and_different_run_refused(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--run-dir", str(run), "--steps", "6", "--no-progress",
+            "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
+            "--peak-flops", "1e11"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(6))
+    for row in rows:
+        assert {"train/loss", "throughput/tokens_per_second", "moe/drop_fraction"} <= set(row)
+    assert "eval/loss" in rows[-1] and "eval/bpb" in rows[-1]
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["model"]["n_layers"] == 2
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+
+    r = run_cli(*[a if a != "model.n_layers=2" else "model.n_layers=3" for a in args])
+    assert r.returncode == 2
+    assert "already holds a different run (model.n_layers: 2 there, 3 now)" in r.stderr
+    assert "Traceback" not in r.stderr
+    after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert after == before, "a refused run must not touch the existing run dir"
+
+    s = run_cli("summary", str(run))
+    assert s.returncode == 0 and "train loss" in s.stdout

@@ -1,0 +1,103 @@
+"""SConv (causal, document-local, identity at init), GatedNorm formula, router combine weights, loss."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model.layers import Norm, init_conv, rms_norm, sconv
+from moejax.model.moe.router import route
+from moejax.model.transformer import lm_loss
+
+FP32_ATOL = 1e-5
+FP32_RTOL = 1e-5
+
+
+def test_sconv_matches_naive_and_respects_documents():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 9, 3)).astype(np.float32)
+    taps = rng.normal(size=(4, 3)).astype(np.float32)
+    seg = np.array([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1] * 9])
+    got = np.asarray(sconv(jnp.asarray(x), jnp.asarray(taps), jnp.asarray(seg)))
+    want = np.zeros_like(x)
+    for b in range(2):
+        for t in range(9):
+            for j in range(4):
+                if t - j >= 0 and seg[b, t - j] == seg[b, t]:
+                    want[b, t] += taps[j] * x[b, t - j]
+    np.testing.assert_allclose(got, want, atol=FP32_ATOL)
+
+
+def test_sconv_identity_at_init_and_causal():
+    x = jax.random.normal(jax.random.key(0), (1, 7, 5))
+    seg = jnp.ones((1, 7), jnp.int32)
+    np.testing.assert_array_equal(sconv(x, init_conv(4, 5), seg), x)
+    taps = jax.random.normal(jax.random.key(1), (4, 5))
+    y = sconv(x, taps, seg)
+    y2 = sconv(x.at[0, 4].add(1.0), taps, seg)
+    changed = np.any(np.asarray(y2 != y), axis=-1)[0]
+    np.testing.assert_array_equal(changed, [False] * 4 + [True] * 3)
+
+
+def test_gated_norm_formula():
+    d, r = 6, 3
+    n = Norm.init(jax.random.key(0), d, r, std=0.5)
+    x = jax.random.normal(jax.random.key(1), (2, 4, d))
+    h = rms_norm(x, n.gain, 1e-5)
+    want = h * jax.nn.sigmoid(jax.nn.silu(h @ n.down) @ n.up)
+    np.testing.assert_allclose(n(x, 1e-5), want, atol=FP32_ATOL)
+    ms = np.mean(np.asarray(h) ** 2, -1)
+    np.testing.assert_allclose(ms, 1.0, rtol=1e-3)  # gains are 1 at init: plain RMS-normalised
+
+
+def test_router_topk_threshold_and_combine_weights():
+    rng = np.random.default_rng(0)
+    m = jnp.asarray(rng.normal(size=(10, 6)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
+    bias = jnp.asarray(rng.normal(size=(8,)) * 2, jnp.float32)
+    r = route(m, w, bias, top_k=3, combine_scale=2.5)
+    logits = np.asarray(m) @ np.asarray(w)
+    biased = logits + np.asarray(bias)
+    order = np.argsort(-biased, axis=-1)
+    np.testing.assert_array_equal(np.sort(r.expert_TK, -1), np.sort(order[:, :3], -1))
+    np.testing.assert_allclose(r.threshold_T, biased[np.arange(10), order[:, 3]], rtol=FP32_RTOL)
+    np.testing.assert_allclose(np.sum(r.weight_TK, -1), 2.5, rtol=FP32_RTOL)
+    s = 1 / (1 + np.exp(-np.take_along_axis(logits, np.asarray(r.expert_TK), -1)))  # unbiased logits
+    np.testing.assert_allclose(r.weight_TK, 2.5 * s / s.sum(-1, keepdims=True), rtol=1e-4)
+
+
+def _loss_inputs(scale, V=50, T=12, D=8):
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(1, T, D)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(D, V)) * scale, jnp.float32)
+    t = jnp.asarray(rng.integers(0, V, (1, T)))
+    mask = jnp.asarray(np.arange(T) < 10)[None]
+    return h, head, t, mask
+
+
+def test_z_loss_and_cross_entropy_values():
+    h, head, t, mask = _loss_inputs(1.0)
+    out = lm_loss(h, head, t, mask, 1e-4)
+    logits = np.asarray(h[0], np.float64) @ np.asarray(head, np.float64)
+    lse = np.log(np.sum(np.exp(logits), -1))
+    ce = (lse - logits[np.arange(12), np.asarray(t[0])])[:10].mean()
+    z = (lse**2)[:10].mean()
+    np.testing.assert_allclose(out["cross_entropy_loss"], ce, rtol=FP32_RTOL)
+    np.testing.assert_allclose(out["z_loss"], z, rtol=FP32_RTOL)
+    np.testing.assert_allclose(out["loss"], ce + 1e-4 * z, rtol=FP32_RTOL)
+
+
+def test_loss_at_large_logit_scale_matches_fp32_oracle_and_streamed_path():
+    """SPEC §6: bf16 activations with logits ~ +-100 must still give an fp32-accurate loss and grads."""
+    h, head, t, mask = _loss_inputs(30.0)
+    oracle = jax.value_and_grad(lambda h, w: lm_loss(h, w, t, mask, 1e-4)["loss"], argnums=(0, 1))
+    v_ref, g_ref = oracle(h, head)
+    streamed = jax.value_and_grad(lambda h, w: lm_loss(h, w, t, mask, 1e-4, vocab_block=16)["loss"], argnums=(0, 1))
+    v_s, g_s = streamed(h, head)
+    np.testing.assert_allclose(v_s, v_ref, rtol=FP32_RTOL)
+    for a, b in zip(g_s, g_ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # bf16 compute path: logits still accumulate in fp32, so the loss matches within bf16 input rounding.
+    hb = h.astype(jnp.bfloat16)
+    v_b = lm_loss(hb, head, t, mask, 1e-4)["loss"]
+    v_oracle_b = lm_loss(hb.astype(jnp.float32), head.astype(jnp.bfloat16).astype(jnp.float32), t, mask, 1e-4)["loss"]
+    np.testing.assert_allclose(v_b, v_oracle_b, rtol=1e-3)
