@@ -96,7 +96,6 @@ def test_head_gate_is_identity_at_init():
     p = Attention.init(jax.random.key(0), cfg)
     assert np.all(np.asarray(p.head_gate) == 0.0)
     x = jax.random.normal(jax.random.key(1), (1, 8, cfg.d_model))
-    seg, pos = jnp.ones((1, 8), jnp.int32), jnp.arange(8)[None]
     gate = 2 * jax.nn.sigmoid(x @ p.head_gate)
     np.testing.assert_array_equal(gate, jnp.ones_like(gate))
 

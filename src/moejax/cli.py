@@ -5,6 +5,8 @@
   moejax summary RUN_DIR                             first/last loss, tokens/s, MFU of a finished run
 
 User errors (bad config, preset, run dir) print one line `moejax: error: ...` and exit 2.
+SIGTERM/SIGINT during training: the step finishes, a temporary checkpoint is written, exit 75 (EX_TEMPFAIL);
+running the same command again resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def _cmd_train(args) -> int:
 
     cfg = _resolve(args)
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
-                      peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat)
+                      peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat,
+                      init_from=args.init_from or "")
     summary = train(cfg, Path(args.run_dir), opts)
     print(json.dumps(summary, indent=2))
     return 0
@@ -77,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int)
     t.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeatable)")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run in --run-dir and start over")
+    t.add_argument("--init-from", metavar="CKPT", help="start a new run from the weights of a checkpoint (or run) dir")
     t.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     t.add_argument("--wandb-project", default="moejax")
     t.add_argument("--peak-flops", type=float, default=0.0, help="FLOP/s for MFU (default: measure fp32 matmul)")
@@ -92,13 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from moejax.train.loop import RunError
+    from moejax.train.loop import Preempted, RunError
 
     try:
         return args.fn(args)
     except (ConfigError, RunError) as e:
         print(f"moejax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Preempted as e:
+        print(f"moejax: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("moejax: interrupted", file=sys.stderr)
         return 130

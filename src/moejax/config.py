@@ -61,6 +61,8 @@ class ModelConfig:
     n_shared: int = 2
     shared_width: int = 3072
     combine_scale: float = 2.5  # routed combine weights sum to this
+    qb: bool = True  # quantile balancing of the router bias (SPEC §2); no auxiliary loss either way
+    qb_bins: int = 10_000
     # numerics
     norm_eps: float = 1e-5
     qk_norm_eps: float = 1e-6
@@ -72,7 +74,7 @@ class ModelConfig:
     def __post_init__(self):
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads",
                   "n_kv_heads_global", "window", "global_every", "gated_norm_rank", "conv_taps",
-                  "n_experts", "top_k", "expert_width", "latent_width", "shared_width")
+                  "n_experts", "top_k", "expert_width", "latent_width", "shared_width", "qb_bins")
         _require(self.n_shared >= 0, f"n_shared ({self.n_shared}) must be >= 0")
         _require(self.n_heads % self.n_kv_heads == 0,
                  f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads})")
@@ -133,9 +135,12 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
+    checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
+    temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept
 
     def __post_init__(self):
-        _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "eval_batches")
+        _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "eval_batches",
+                  "checkpoint_every", "temp_checkpoint_minutes")
         _require(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction ({self.warmup_fraction}) must be in [0, 1)")
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")
@@ -300,8 +305,8 @@ TINY = RunConfig(
     model=replace(HERO_MODEL, vocab_size=2048, d_model=128, n_layers=4, n_heads=8, head_dim=16,
                   n_kv_heads=2, n_kv_heads_global=1, window=64, rope_dim=8, gated_norm_rank=16,
                   n_experts=16, top_k=2, expert_width=64, latent_width=64, n_shared=2, shared_width=64),
-    train=TrainConfig(seq_len=128, batch_size=16, steps=300, learning_rate=3e-3, warmup_fraction=0.05,
-                      eval_every=100, b2=0.99),
+    train=TrainConfig(seq_len=128, batch_size=16, steps=300, optimizer="hero", warmup_fraction=0.05,
+                      eval_every=100, b2=0.99, checkpoint_every=100, temp_checkpoint_minutes=2.0),
     parallel=ParallelConfig(),
 )
 

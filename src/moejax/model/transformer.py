@@ -61,6 +61,11 @@ class Transformer:
 
 
 LayerHook = Callable[[dict], dict]
+TOKEN_STATS = ("margins", "token_mask")  # [T, E] / [T] per layer: never stacked over layers
+
+
+def drop_token_stats(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k not in TOKEN_STATS}
 
 
 def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"],
@@ -73,7 +78,7 @@ def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Arr
     """
     dt = jnp.dtype(cfg.compute_dtype)
     x = params.embed_norm(params.embed[tokens].astype(dt), cfg.norm_eps)
-    hook = layer_hook or (lambda s: {k: v for k, v in s.items() if k != "margins"})
+    hook = layer_hook or drop_token_stats
 
     def body(x, layer):
         blk, is_global = layer

@@ -6,6 +6,7 @@ device topology, derived numbers), `metrics.jsonl` (one object per step), `summa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -21,18 +22,29 @@ import optax
 from tqdm import tqdm
 
 from moejax import accounting
-from moejax.config import ConfigError, RunConfig
+from moejax.config import RunConfig
 from moejax.data.default import bible_store
 from moejax.data.loader import Batcher
 from moejax.data.tokenizer import bytes_per_token
 from moejax.metrics import MetricsWriter, to_py
 from moejax.perf import measure_matmul_peak
-from moejax.train.state import init_state
+from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManager, PreemptionGuard, list_checkpoints,
+                               restore)
+from moejax.train.heuristic import optimizer_heuristic
+from moejax.train.optimizer import hero_optimizer
+from moejax.train.schedule import warmup_linear_decay
+from moejax.train.state import TrainState, init_state
 from moejax.train.step import make_eval_step, make_train_step
 
 
 class RunError(RuntimeError):
     """A user-facing problem with the run directory or the run itself (one line, exit 2)."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGINT: the current step finished and a temporary checkpoint was written."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 @dataclass(frozen=True)
@@ -43,26 +55,24 @@ class RunOptions:
     peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
     progress: bool = True
     remat: bool = False
-
-
-def lr_schedule(cfg: RunConfig, peak: float):
-    """Linear warmup over warmup_fraction of the steps, then linear decay to min_lr_fraction * peak."""
-    t = cfg.train
-    warm = max(1, int(round(t.warmup_fraction * t.steps)))
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, peak, warm),
-         optax.linear_schedule(peak, peak * t.min_lr_fraction, max(1, t.steps - warm))], [warm])
+    init_from: str = ""  # a checkpoint dir (or a run dir: its newest) whose weights start a *new* run
 
 
 def make_optimizer(cfg: RunConfig):
+    """`adam`: optax Adam on every leaf at train.learning_rate. `hero`: MuonH/AdamH/Adam (SPEC §4) with
+    the fitted heuristic for lrs, eps and beta2 from (total tokens, width, tokens per batch)."""
     t = cfg.train
-    if t.optimizer != "adam":
-        raise ConfigError(f"train.optimizer {t.optimizer!r} is not available in this build (use 'adam')")
-    lr = lr_schedule(cfg, t.learning_rate)
+    if t.optimizer == "hero":
+        hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
+        opt = hero_optimizer(adam_lr=hp.adam_lr, muonh_lr=hp.muonh_lr, b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
+                             total_steps=t.steps, warmup_fraction=t.warmup_fraction, min_lr_fraction=t.min_lr_fraction)
+        return opt, warmup_linear_decay(hp.muonh_lr, t.steps, t.warmup_fraction, t.min_lr_fraction)
+    lr = warmup_linear_decay(t.learning_rate, t.steps, t.warmup_fraction, t.min_lr_fraction)
     return optax.adam(lr, b1=t.b1, b2=t.b2, eps=t.eps), lr
 
 
-def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool) -> None:
+def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool) -> bool:
+    """Create the run dir and its config.json; True when it already holds this run (resume)."""
     cfg_path = run_dir / "config.json"
     if cfg_path.exists() and not overwrite:
         try:
@@ -73,7 +83,7 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool) -> None:
         if diff:
             raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
                            "choose another --run-dir or pass --overwrite")
-        raise RunError(f"run dir {run_dir} already holds this run; pass --overwrite to start it again")
+        return True
     if run_dir.exists() and overwrite:
         shutil.rmtree(run_dir)
     try:
@@ -81,6 +91,7 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool) -> None:
         _atomic_write(cfg_path, cfg.to_json())
     except OSError as e:
         raise RunError(f"cannot write to run dir {run_dir}: {e.strerror or e}") from None
+    return False
 
 
 def _first_difference(old: dict, new: dict, prefix: str = "") -> str:
@@ -117,7 +128,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
 
 def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dict:
     run_dir = Path(run_dir)
-    prepare_run_dir(run_dir, cfg, opts.overwrite)
+    resuming = prepare_run_dir(run_dir, cfg, opts.overwrite)
     m, t = cfg.model, cfg.train
     store, tok = bible_store(m.vocab_size)
     if tok.get_vocab_size() > m.vocab_size:
@@ -131,38 +142,96 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
     flops_per_step = 3.0 * accounting.fwd_flops_per_token(m, t.seq_len) * t.tokens_per_step
 
     optimizer, lr_fn = make_optimizer(cfg)
+    try:
+        ckpt = CheckpointManager(run_dir, permanent_every=t.checkpoint_every,
+                                 temporary_every_s=60.0 * t.temp_checkpoint_minutes,
+                                 model_config=dataclasses.asdict(m), run_config=cfg.to_dict())
+    except CheckpointError as e:
+        raise RunError(str(e)) from None
     state = init_state(cfg, optimizer, jax.random.key(t.seed))
+    state = _initial_state(state, ckpt, resuming, opts.init_from, optimizer, dataclasses.asdict(m))
+    start = int(state.step)
+    if start:
+        _truncate_metrics(run_dir, start)
     step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, remat=opts.remat), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(m))
 
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project, run_name=run_dir.name,
                            config=cfg.to_dict())
-    bar = tqdm(total=t.steps, disable=not opts.progress, desc=f"train {cfg.name}", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
+               dynamic_ncols=True)
     history, t_start = [], time.perf_counter()
     try:
-        for step in range(int(state.step), t.steps):
-            t0 = time.perf_counter()
-            state, metrics = step_fn(state, train_data.batch(step))
-            metrics = {k: to_py(v) for k, v in jax.device_get(metrics).items()}
-            dt = time.perf_counter() - t0
-            _check_finite(step, metrics, run_dir)
-            metrics.update({"throughput/step_time": dt, "throughput/tokens_per_second": t.tokens_per_step / dt,
-                            "throughput/mfu": flops_per_step / dt / peak})
-            last = step + 1 == t.steps
-            if last or (t.eval_every and (step + 1) % t.eval_every == 0):
-                metrics.update(evaluate(eval_fn, state.params, eval_data, t.eval_batches, bpt, "eval/"))
-            if step % t.log_every == 0 or last:
-                writer.log(step, metrics)
-            history.append(metrics)
-            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
-                            drop=f"{metrics['moe/drop_fraction']:.3f}")
-            bar.update(1)
+        with PreemptionGuard() as guard:
+            for step in range(start, t.steps):
+                t0 = time.perf_counter()
+                state, metrics = step_fn(state, train_data.batch(step))
+                metrics = {k: to_py(v) for k, v in jax.device_get(metrics).items()}
+                dt = time.perf_counter() - t0
+                _check_finite(step, metrics, run_dir)
+                metrics.update({"throughput/step_time": dt, "throughput/tokens_per_second": t.tokens_per_step / dt,
+                                "throughput/mfu": flops_per_step / dt / peak})
+                last = step + 1 == t.steps
+                if last or (t.eval_every and (step + 1) % t.eval_every == 0):
+                    metrics.update(evaluate(eval_fn, state.params, eval_data, t.eval_batches, bpt, "eval/"))
+                if step % t.log_every == 0 or last:
+                    writer.log(step, metrics)
+                history.append(metrics)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
+                                tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
+                                drop=f"{metrics['moe/drop_fraction']:.3f}")
+                bar.update(1)
+                if guard.stop_requested():
+                    ckpt.save(step + 1, state, kind="temporary", extra_metadata={"data_step": step + 1})
+                    ckpt.wait()
+                    raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
+                                    "run the same command again to resume")
+                kind = None if last else ckpt.should_save(step + 1)
+                if kind:
+                    ckpt.save(step + 1, state, kind=kind, extra_metadata={"data_step": step + 1})
+            ckpt.save(int(state.step), state, kind="final", extra_metadata={"data_step": int(state.step)})
     finally:
         bar.close()
         writer.close()
+        ckpt.close()
+    if not history:  # the run had already finished: report it again
+        return json.loads((run_dir / "summary.json").read_text())
     summary = summarize(history, time.perf_counter() - t_start, cfg)
     _atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, init_from: str, optimizer,
+                   model_cfg: dict) -> TrainState:
+    """Resume from this run's newest complete checkpoint, or start a new run from another run's weights."""
+    try:
+        if resuming:
+            restored = ckpt.restore_latest(state)
+            if restored is not None:
+                return restored[0]
+        if init_from:
+            src = Path(init_from)
+            if (src / "checkpoints").is_dir():
+                complete = [c for c in list_checkpoints(src) if c.complete]
+                if not complete:
+                    raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
+                src = complete[-1].path
+            elif not src.is_dir():
+                raise RunError(f"--init-from {src}: no such checkpoint or run directory")
+            loaded, _ = restore(src, state, model_config=model_cfg)
+            return TrainState(step=state.step, params=loaded.params, opt_state=optimizer.init(loaded.params),
+                              qb_bias=loaded.qb_bias, rng=state.rng)
+    except CheckpointError as e:
+        raise RunError(str(e)) from None
+    return state
+
+
+def _truncate_metrics(run_dir: Path, start: int) -> None:
+    """Drop rows of steps that will be re-run after a resume, so metrics.jsonl has each step once."""
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
+        _atomic_write(path, "".join(r + "\n" for r in rows))
 
 
 def evaluate(eval_fn, params, data: Batcher, n_batches: int, bpt, prefix: str) -> dict:

@@ -15,7 +15,8 @@ import optax
 
 from moejax.config import ModelConfig
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
-from moejax.model.transformer import model_loss
+from moejax.model.moe.balance import qb_bias
+from moejax.model.transformer import drop_token_stats, model_loss
 from moejax.train.state import TrainState
 
 
@@ -44,8 +45,20 @@ def moe_metrics(layers: dict, n_layers: int, prefix: str = "") -> dict:
     return out
 
 
+def qb_hook(cfg: ModelConfig):
+    """Per layer inside the scan: turn the [T, E] margins into next step's router bias (SPEC §2)."""
+
+    def hook(stats: dict) -> dict:
+        bias = qb_bias(stats["margins"], stats["token_mask"], cfg.top_k, cfg.qb_bins)
+        return {**drop_token_stats(stats), "qb_bias": bias}
+
+    return hook
+
+
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fn: Callable,
-                    routed: RoutedFn = routed_local_with_stats, layer_hook=None, remat: bool = True):
+                    routed: RoutedFn = routed_local_with_stats, remat: bool = True):
+    layer_hook = qb_hook(cfg) if cfg.qb else None
+
     def train_step(state: TrainState, batch: dict):
         params = with_router_bias(state.params, state.qb_bias)
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat)

@@ -78,6 +78,6 @@ def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], 
         h = jax.nn.silu(m_TD @ p.shared_gate[s].astype(dt)) * (m_TD @ p.shared_up[s].astype(dt))
         y_TD = y_TD + h @ p.shared_down[s].astype(dt)
     out = sconv(y_TD.reshape(bsz, seq, d), p.conv_out, segment_ids)
-    stats = {**router_stats(r, mask_T), **drops,
-             "margins": r.logits_TE - r.threshold_T[:, None]}  # consumed by QB, then dropped
+    stats = {**router_stats(r, mask_T), **drops,  # margins and mask feed QB (layer hook), then are dropped
+             "margins": r.logits_TE - r.threshold_T[:, None], "token_mask": mask_T}
     return out, stats

@@ -1,0 +1,206 @@
+"""The hero optimizer (SPEC §4): MuonH for weight matrices, AdamH for the LM head, Adam for the rest.
+
+Groups are chosen by the parameter's field name (the last key of its pytree path), never by shape:
+  muonh  Nesterov momentum -> quintic Newton-Schulz (bf16) -> sqrt(max(1, fan_out/fan_in)) -> hyperball
+  adamh  Adam direction -> hyperball
+  adam   plain Adam (optional decoupled weight decay on `head_gate` and `router` only)
+The hyperball step (Wen et al. 2025, "Hyperball optimization"; used by the public run) moves each
+matrix by a *relative* amount and keeps its Frobenius norm fixed:
+  W' = W - lr * u * ||W|| / ||u||,   then  W' <- W' * ||W|| / ||W'||
+with one norm per matrix: every [..., fan_in, fan_out] leaf is normed over its last two dims, so a
+stacked [L, E, Z, F] expert weight has one norm per layer and per expert. It needs the current params,
+so the transformation returns `new_params - params` as the update (optax.apply_updates then lands on
+the new params). All math is fp32 on global arrays; under jit, GSPMD partitions the norms correctly for
+any sharding (SPEC §6: "norms of sharded matrices computed wrongly" -- tests/test_optimizer.py checks
+sharded vs unsharded parity). No shard_map here on purpose. On a mesh with Explicit axes the per-matrix
+math (Newton-Schulz, hyperball) runs under `auto_axes`, so GSPMD picks its internal layout and the
+result comes back sharded exactly like the parameter (the public run hit a ShardingTypeError when a
+Muon direction's sharding differed from its stacked expert parameter's).
+
+Notes:
+- Because the hyperball step divides by ||u||, any per-matrix scale of u (momentum normalisation, the
+  Muon shape factor) cancels; we keep the shape factor anyway so the direction matches plain Muon.
+- `optax.trace(nesterov=True)` is Keller Jordan's Nesterov momentum up to a constant factor
+  ((1-b) * (g + b * m)), which Newton-Schulz's normalisation removes.
+- A matrix with ||W|| = 0 cannot move under the hyperball step; the recipe never zero-initialises one
+  (SPEC §2 Init: only the head gate, an Adam leaf, starts at zero).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType
+
+from moejax.train.schedule import warmup_linear_decay
+
+MUONH_FIELDS = frozenset({
+    "wq", "wk", "wv", "wo",  # attention [L, in, out]
+    "down", "up",  # GatedNorm [D, R] / [R, D] (or stacked [L, ...])
+    "lat_down", "lat_up",  # latent transport [L, D, Z] / [L, Z, D]
+    "w_gate", "w_up", "w_down",  # routed experts [L, E, Z, F] / [L, E, F, Z]
+    "shared_gate", "shared_up", "shared_down",  # shared experts [L, S, D, F] / [L, S, F, D]
+})
+ADAMH_FIELDS = frozenset({"lm_head"})
+ADAM_FIELDS = frozenset({"embed", "router", "router_bias", "head_gate", "gain", "lat_norm", "conv_k", "conv_out"})
+# SPEC §4: "optional 0.02 decay on head gate and router" -- never on the (untrained) router bias.
+WEIGHT_DECAY_FIELDS = frozenset({"head_gate", "router"})
+
+# Quintic Newton-Schulz coefficients (Keller Jordan's Muon; optax.contrib's default).
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+_NS_EPS = 1e-7
+_TINY = 1e-30
+
+
+def leaf_name(path: tuple) -> str:
+    """Field name of a parameter: the last key of its pytree path (dataclass field or string dict key)."""
+    key = path[-1] if path else None
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.DictKey) and isinstance(key.key, str):
+        return key.key
+    raise ValueError(f"parameter at {jax.tree_util.keystr(tuple(path))!r} has no field name as its last path key")
+
+
+def param_group(path: tuple) -> str:
+    """'muonh' | 'adamh' | 'adam' for the parameter at `path`, by its field name."""
+    name = leaf_name(path)
+    if name in MUONH_FIELDS:
+        return "muonh"
+    if name in ADAMH_FIELDS:
+        return "adamh"
+    if name in ADAM_FIELDS:
+        return "adam"
+    known = sorted(MUONH_FIELDS | ADAMH_FIELDS | ADAM_FIELDS)
+    raise ValueError(f"parameter {jax.tree_util.keystr(tuple(path))!r} has unknown field name {name!r}; "
+                     f"add it to a group in moejax.train.optimizer (known: {', '.join(known)})")
+
+
+def param_labels(params: Any) -> Any:
+    """Tree of group labels with the structure of `params`."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: param_group(path), params)
+
+
+def _weight_decay_mask(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(lambda path, _: leaf_name(path) in WEIGHT_DECAY_FIELDS, params)
+
+
+def _sharded_like(fn, like: jax.Array, *args):
+    """fn(*args) with GSPMD free inside, output sharded like `like`, also on Explicit mesh axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    if mesh.empty:  # no mesh context: take the mesh the (explicitly typed) array carries, if any
+        mesh = getattr(sharding, "mesh", mesh)
+    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
+    if not explicit:
+        return fn(*args)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=sharding.spec)(*args)
+
+
+def newton_schulz(x: jax.Array, ns_steps: int = 5) -> jax.Array:
+    """Approximate orthogonalisation U V^T of each matrix over the last two dims, iterated in bf16.
+
+    Leading dims are stacks (vmapped). Returns fp32. Singular values land roughly in [0.65, 1.15], not
+    exactly 1 (the coefficients trade exactness for speed, Keller Jordan's Muon); singular values far
+    below the largest (ill-conditioned inputs) grow by ~3.4x per step and may not reach that band.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {x.shape}")
+    if x.ndim > 2:
+        return jax.vmap(functools.partial(newton_schulz, ns_steps=ns_steps))(x)
+    a, b, c = NS_COEFFS
+    x = x.astype(jnp.float32)
+    x = (x / (jnp.linalg.norm(x) + _NS_EPS)).astype(jnp.bfloat16)  # spectral norm <= 1 before iterating
+    transposed = x.shape[0] > x.shape[1]  # iterate on the wide orientation: X X^T is the small Gram matrix
+    if transposed:
+        x = x.T
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    if transposed:
+        x = x.T
+    return x.astype(jnp.float32)
+
+
+def _shape_scale(u: jax.Array) -> float:
+    fan_in, fan_out = u.shape[-2], u.shape[-1]
+    return max(1.0, fan_out / fan_in) ** 0.5
+
+
+def scale_by_newton_schulz(ns_steps: int = 5) -> optax.GradientTransformation:
+    """Stateless: u -> sqrt(max(1, fan_out/fan_in)) * NS(u) per matrix (MuonH direction)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        def direction(u):
+            return _shape_scale(u) * newton_schulz(u, ns_steps)
+
+        return jax.tree.map(lambda u: _sharded_like(direction, u, u), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def _matrix_norm(x: jax.Array) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+
+
+def hyperball_delta(u: jax.Array, w: jax.Array, lr: jax.Array) -> jax.Array:
+    """new_w - w for the norm-preserving step of `lr` (relative) along -u, one norm per matrix."""
+    if w.ndim < 2:
+        raise ValueError(f"hyperball step needs matrices [..., fan_in, fan_out], got shape {w.shape}")
+    u = u.astype(jnp.float32)
+    w32 = w.astype(jnp.float32)
+    w_norm = _matrix_norm(w32)
+    new = w32 - lr * u * (w_norm / jnp.maximum(_matrix_norm(u), _TINY))
+    new = new * (w_norm / jnp.maximum(_matrix_norm(new), _TINY))
+    return (new - w32).astype(w.dtype)
+
+
+def scale_by_hyperball(learning_rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    """Replace each direction u by the hyperball step delta (needs `params`); counts steps for the schedule."""
+    schedule = learning_rate if callable(learning_rate) else (lambda count: learning_rate)
+
+    def init_fn(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("the hyperball step needs the current params: call update(grads, state, params)")
+        lr = jnp.asarray(schedule(state.count), jnp.float32)
+        deltas = jax.tree.map(lambda u, w: _sharded_like(hyperball_delta, w, u, w, lr), updates, params)
+        return deltas, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def hero_optimizer(*, adam_lr: float, muonh_lr: float, b1: float, b2: float, eps: float, total_steps: int,
+                   warmup_fraction: float = 0.01, min_lr_fraction: float = 0.05, ns_steps: int = 5,
+                   nesterov_momentum: float = 0.95, weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """SPEC §4 optimizer: MuonH / AdamH / Adam partitioned by `param_group`, one shared schedule shape.
+
+    AdamH (the LM head) runs on the Adam peak lr: SPEC §4 gives only the two peaks (adam, muonh).
+    `weight_decay` > 0 adds decoupled (lr-scaled, optax.adamw) decay to `head_gate` and `router` only.
+    """
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay ({weight_decay}) must be non-negative")
+    adam_schedule = warmup_linear_decay(adam_lr, total_steps, warmup_fraction, min_lr_fraction)
+    muonh_schedule = warmup_linear_decay(muonh_lr, total_steps, warmup_fraction, min_lr_fraction)
+    return optax.partition(
+        {
+            "muonh": optax.chain(
+                optax.trace(decay=nesterov_momentum, nesterov=True),
+                scale_by_newton_schulz(ns_steps),
+                scale_by_hyperball(muonh_schedule),
+            ),
+            "adamh": optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_hyperball(adam_schedule)),
+            "adam": optax.adamw(adam_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                                mask=_weight_decay_mask),
+        },
+        param_labels,
+    )
