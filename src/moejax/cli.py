@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from moejax.config import PRESET_NAMES, ConfigError, apply_overrides, preset
+from moejax.config import PRESET_NAMES, ConfigError, apply_overrides, parse_mesh, preset
 
 EXIT_USAGE = 2
 
@@ -33,6 +34,9 @@ def _cmd_count(args) -> int:
 def _resolve(args):
     cfg = preset(args.preset)
     cfg = apply_overrides(cfg, args.set or [])
+    if args.mesh:
+        axes = {"replica_dcn": 1, "data": 1, "expert": 1, "model": 1, **parse_mesh(args.mesh)}
+        cfg = replace(cfg, parallel=replace(cfg.parallel, **axes))
     if args.steps is not None:
         cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
     return cfg
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESET_NAMES)}")
     t.add_argument("--run-dir", required=True)
     t.add_argument("--steps", type=int)
+    t.add_argument("--mesh", help="e.g. replica_dcn=1,data=2,expert=4,model=1 (omitted axes = 1)")
     t.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeatable)")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run in --run-dir and start over")
     t.add_argument("--init-from", metavar="CKPT", help="start a new run from the weights of a checkpoint (or run) dir")
@@ -94,8 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _ensure_host_devices(args) -> None:
+    """On CPU, a mesh of N devices needs N forced host devices, which must be set before jax starts.
+    The flag only affects the host platform, so it is harmless on GPU/TPU machines."""
+    if getattr(args, "mesh", None) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        import math
+
+        n = math.prod(parse_mesh(args.mesh).values())
+        if n > 1 and "jax" not in sys.modules:
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        _ensure_host_devices(args)
+    except ConfigError as e:
+        print(f"moejax: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     from moejax.train.loop import Preempted, RunError
 
     try:

@@ -225,6 +225,17 @@ class RunConfig:
                          parallel=ParallelConfig(**d["parallel"]), name=d.get("name", "custom"))
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """`replica_dcn=1,data=2,expert=4,model=1` -> dict; omitted axes are 1."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--mesh item {item!r} is not AXIS=N with AXIS one of {', '.join(MESH_AXES)} and N >= 1")
+        out[name] = int(value)
+    return out
+
+
 # ---- overrides ---------------------------------------------------------------------------------
 _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig}
 

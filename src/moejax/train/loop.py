@@ -7,8 +7,11 @@ device topology, derived numbers), `metrics.jsonl` (one object per step), `summa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,11 +25,14 @@ import optax
 from tqdm import tqdm
 
 from moejax import accounting
-from moejax.config import RunConfig
+from moejax.config import ParallelConfig, RunConfig
 from moejax.data.default import bible_store
 from moejax.data.loader import Batcher
 from moejax.data.tokenizer import bytes_per_token
 from moejax.metrics import MetricsWriter, to_py
+from moejax.model.moe.layer import routed_local_with_stats
+from moejax.parallel.expert_parallel import routed_expert_parallel
+from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import measure_matmul_peak
 from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManager, PreemptionGuard, list_checkpoints,
                                restore)
@@ -35,6 +41,10 @@ from moejax.train.optimizer import hero_optimizer
 from moejax.train.schedule import warmup_linear_decay
 from moejax.train.state import TrainState, init_state
 from moejax.train.step import make_eval_step, make_train_step
+
+
+# Fault injection for the preemption tests: deliver a real SIGTERM to ourselves after this step.
+_FAULT_SIGTERM_AT = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
 
 
 class RunError(RuntimeError):
@@ -148,13 +158,19 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
                                  model_config=dataclasses.asdict(m), run_config=cfg.to_dict())
     except CheckpointError as e:
         raise RunError(str(e)) from None
-    state = init_state(cfg, optimizer, jax.random.key(t.seed))
+    mesh = make_mesh(cfg.parallel)
+    state = init_state(cfg, optimizer, jax.random.key(t.seed), mesh)
     state = _initial_state(state, ckpt, resuming, opts.init_from, optimizer, dataclasses.asdict(m))
     start = int(state.step)
     if start:
         _truncate_metrics(run_dir, start)
-    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, remat=opts.remat), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(m))
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    routed = routed_backend(cfg.parallel, mesh)
+    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat), donate_argnums=0,
+                      in_shardings=(state_sh, batch_sharding(mesh)), out_shardings=(state_sh, None))
+    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
+    if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
+        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
 
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project, run_name=run_dir.name,
                            config=cfg.to_dict())
@@ -173,7 +189,8 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
                                 "throughput/mfu": flops_per_step / dt / peak})
                 last = step + 1 == t.steps
                 if last or (t.eval_every and (step + 1) % t.eval_every == 0):
-                    metrics.update(evaluate(eval_fn, state.params, eval_data, t.eval_batches, bpt, "eval/"))
+                    for prefix, fn in eval_fns.items():
+                        metrics.update(evaluate(fn, state.params, eval_data, t.eval_batches, bpt, prefix))
                 if step % t.log_every == 0 or last:
                     writer.log(step, metrics)
                 history.append(metrics)
@@ -181,6 +198,8 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
                                 tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
                                 drop=f"{metrics['moe/drop_fraction']:.3f}")
                 bar.update(1)
+                if step + 1 == _FAULT_SIGTERM_AT:
+                    os.kill(os.getpid(), signal.SIGTERM)
                 if guard.stop_requested():
                     ckpt.save(step + 1, state, kind="temporary", extra_metadata={"data_step": step + 1})
                     ckpt.wait()
@@ -235,11 +254,20 @@ def _truncate_metrics(run_dir: Path, start: int) -> None:
 
 
 def evaluate(eval_fn, params, data: Batcher, n_batches: int, bpt, prefix: str) -> dict:
-    ce, toks, nbytes = 0.0, 0.0, 0.0
+    ce, toks, nbytes, drops = 0.0, 0.0, 0.0, []
     for i in range(n_batches):
         out = jax.device_get(eval_fn(params, data.batch(i), bpt))
         ce, toks, nbytes = ce + float(out["ce_sum"]), toks + float(out["tokens"]), nbytes + float(out["bytes"])
-    return {f"{prefix}loss": ce / max(toks, 1.0), f"{prefix}bpb": ce / np.log(2.0) / max(nbytes, 1.0)}
+        drops.append(float(out["moe/drop_fraction"]))
+    return {f"{prefix}loss": ce / max(toks, 1.0), f"{prefix}bpb": ce / np.log(2.0) / max(nbytes, 1.0),
+            f"{prefix}drop_fraction": float(np.mean(drops))}
+
+
+def routed_backend(p: ParallelConfig, mesh):
+    """The MoE path is configuration: pooled-wave EP when the expert axis is used, else local dropless."""
+    if not p.use_ep:
+        return routed_local_with_stats
+    return functools.partial(routed_expert_parallel, mesh=mesh, waves=p.waves, cf_send=p.cf_send, cf_recv=p.cf_recv)
 
 
 def _check_finite(step: int, metrics: dict, run_dir: Path) -> None:
@@ -257,7 +285,7 @@ def summarize(history: list[dict], wall: float, cfg: RunConfig) -> dict:
            "last_loss": history[-1]["train/loss"], "tokens_per_second": tps,
            "mfu": float(np.median([h["throughput/mfu"] for h in steady])), "wall_seconds": wall,
            "drop_fraction": history[-1]["moe/drop_fraction"]}
-    for key in ("eval/loss", "eval/bpb"):
+    for key in ("eval/loss", "eval/bpb", "eval_dropless/loss", "eval_dropless/bpb"):
         if key in history[-1]:
             out[key] = history[-1][key]
     return out

@@ -24,8 +24,24 @@ class TrainState:
     rng: jax.Array  # uint32 key data
 
 
-def init_state(cfg, optimizer, key) -> TrainState:
-    params = Transformer.init(cfg.model, key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      qb_bias=jnp.zeros((cfg.model.n_layers, cfg.model.n_experts), jnp.float32),
-                      rng=jax.random.key_data(jax.random.fold_in(key, 1)))
+def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
+    """Fresh state; with a mesh, parameters are created sharded (never materialised whole on one device)
+    and the optimizer state inherits their shardings."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from moejax.parallel.mesh import mirror_shardings, param_shardings
+
+    if mesh is None:
+        params = Transformer.init(cfg.model, key)
+        opt_state = optimizer.init(params)
+        put = lambda x: x
+    else:
+        abstract = jax.eval_shape(lambda k: Transformer.init(cfg.model, k), key)
+        params_sh = param_shardings(abstract, mesh)
+        params = jax.jit(lambda k: Transformer.init(cfg.model, k), out_shardings=params_sh)(key)
+        opt_sh = mirror_shardings(jax.eval_shape(optimizer.init, abstract), abstract, params_sh, mesh)
+        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return TrainState(step=put(jnp.zeros((), jnp.int32)), params=params, opt_state=opt_state,
+                      qb_bias=put(jnp.zeros((cfg.model.n_layers, cfg.model.n_experts), jnp.float32)),
+                      rng=put(jax.random.key_data(jax.random.fold_in(key, 1))))

@@ -1,0 +1,266 @@
+"""The pooled-wave fixed-capacity expert-parallel transport (SPEC §3) — the launch EP backend.
+
+Dimensions: T tokens (local to a shard inside `shard_map`), K choices, A = T*K assignments, Z latent
+width, F expert width, E experts, S shards on the `expert` axis, E_loc = E/S local experts, W waves,
+P sender pool rows per destination per wave, M = ceil(P/Z) header rows, R receiver capacity per local
+expert per wave, N = W*S*P send rows.
+
+Per shard (one `shard_map` over the whole mesh; all_to_all over `expert` only, so every (replica_dcn,
+data) group runs its own exchange):
+1. Sender: rank each valid assignment among those bound for the same destination shard, token-major then
+   choice order; wave = rank % W, slot = rank // W (round-robin striping); slot >= P is a sender drop.
+   Send rows are *gathered* from the tokens through the plan (no scatter).
+2. Each destination's block is [M + P, Z]: M header rows carry slot -> local expert + 1 (0 = empty) in the
+   activation dtype, so ids ride in the same all_to_all as the payload (no metadata collective).
+3. Receiver: decode ids, rank rows per local expert in interleaved order (slot p of every source before
+   slot p+1 of any) so overflow is spread evenly over senders; inside a slot the source order starts at
+   (slot + wave + receiving shard) % S, so ties at the cut-off do not always go against the same
+   sender (SPEC §6). Rank >= R is a receiver drop. Compact to
+   [E_loc, R, Z], run the expert MLPs (rematerialised per wave), expand back. The return block again has
+   M header rows, carrying the receiver's kept flag per slot: the sender learns exactly which rows were
+   dropped (for the per-assignment keep mask); dropped rows come back as zeros.
+4. Combine: y[t] = sum_k w[t,k] * returned[row(t,k)] in fp32; each assignment lives in one wave, so the
+   single combine over all waves' rows is the sum over waves.
+
+Notable choices:
+- Backward has no scatter: every movement is a gather with a known inverse (`transport_ops`).
+- P is capped at ceil(A/W) and R at S*P (more rows than can ever arrive); the caps change no result, only
+  buffer sizes, and never bind at production capacity factors (hero: P = 3,141, R = 33,497).
+- The header dtype must represent E_loc + 1 exactly (bf16: 256, SPEC §6); violations raise ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jaxtyping import Array, Bool, Float, Int
+
+from moejax.config import BATCH_AXES
+from moejax.model.moe.experts import expert_mlp_batched
+from moejax.parallel.transport_ops import combine_rows, gather_rows, rank_in_groups
+
+EXPERT_AXIS = "expert"
+TOKENS_SPEC = PartitionSpec(BATCH_AXES)
+EXPERTS_SPEC = PartitionSpec(EXPERT_AXIS)
+
+# Per-assignment transport outcome (debug output `status_TK`).
+PADDING, KEPT, SENDER_DROPPED, RECEIVER_DROPPED = 0, 1, 2, 3
+
+
+def _ceil(x: float) -> int:
+    return math.ceil(round(x, 6))  # 1.15 * A / 192 must not become n + 1e-12 when it is exactly n
+
+
+@dataclass(frozen=True)
+class TransportSizes:
+    """Static buffer sizes of one MoE layer's transport on one shard (SPEC §3.1)."""
+
+    assignments: int  # A = tokens per shard * K
+    send_pool: int  # P, rows per destination per wave
+    recv_capacity: int  # R, rows per local expert per wave
+    header_rows: int  # M = ceil(P / Z)
+    rows_per_wave: int  # S * (M + P), rows one shard sends (and receives) per wave and direction
+    bytes_per_wave: int  # rows_per_wave * Z * dtype bytes, one direction
+    expert_rows_per_wave: int  # E_loc * R, rows through the expert MLPs per wave
+
+
+def transport_sizes(tokens_per_device: int, top_k: int, n_shards: int, local_experts: int, waves: int,
+                    cf_send: float, cf_recv: float, latent_width: int, dtype_bytes: int) -> TransportSizes:
+    """P = ceil(cf_send*A/(S*W)), R = ceil(cf_recv*A/(E_loc*W)), capped where larger buffers cannot fill."""
+    a = tokens_per_device * top_k
+    p = min(_ceil(cf_send * a / (n_shards * waves)), -(-a // waves))
+    r = min(_ceil(cf_recv * a / (local_experts * waves)), n_shards * p)
+    m = -(-p // latent_width)
+    rows = n_shards * (m + p)
+    return TransportSizes(a, p, r, m, rows, rows * latent_width * dtype_bytes, local_experts * r)
+
+
+def check_header_dtype(local_experts: int, dtype) -> None:
+    """Expert ids travel as local expert + 1 in the activation dtype: it must hold them exactly."""
+    dtype = jnp.dtype(dtype)
+    limit = 2 ** (jnp.finfo(dtype).nmant + 1)
+    if local_experts + 1 > limit:
+        raise ValueError(f"local experts per shard ({local_experts}) + 1 exceeds {limit}, the largest integer "
+                         f"{dtype.name} holds exactly: expert ids in the transport header would be corrupted; "
+                         f"use more expert shards or a wider activation dtype")
+
+
+# ---- header rows -----------------------------------------------------------------------------------
+def _encode_header(values_SP: Int[Array, "S P"], header_rows: int, width: int, dtype) -> Array:
+    n_src, pool = values_SP.shape
+    padded = jnp.pad(values_SP, ((0, 0), (0, header_rows * width - pool)))
+    return padded.astype(dtype).reshape(n_src, header_rows, width)
+
+
+def _decode_header(header_SMZ: Array, pool: int) -> Int[Array, "S P"]:
+    flat = header_SMZ.reshape(header_SMZ.shape[0], -1)[:, :pool]
+    return jnp.round(flat.astype(jnp.float32)).astype(jnp.int32)
+
+
+# ---- plans (integer bookkeeping, no gradients) -----------------------------------------------------
+class SenderPlan(NamedTuple):
+    row_token_N: Int[Array, "N"]  # token feeding send row n = (wave, dest, slot)
+    row_assign_N: Int[Array, "N"]  # its assignment t*K + k
+    row_valid_N: Bool[Array, "N"]
+    ids_WSP: Int[Array, "W S P"]  # header values: local expert + 1, 0 = empty
+    assign_row_TK: Int[Array, "T K"]  # send row of each assignment
+    assign_sent_TK: Bool[Array, "T K"]
+    sender_dropped_TK: Bool[Array, "T K"]
+
+
+def _sender_plan(expert_TK, mask_T, n_shards: int, local_experts: int, waves: int, pool: int) -> SenderPlan:
+    n_tok, k = expert_TK.shape
+    expert_A = expert_TK.reshape(-1).astype(jnp.int32)
+    valid_A = jnp.repeat(mask_T, k)
+    dest_A, local_A = expert_A // local_experts, expert_A % local_experts
+    groups = rank_in_groups(jnp.where(valid_A, dest_A, n_shards), n_shards)  # flat order = token-major
+    wave_A, slot_A = groups.rank_N % waves, groups.rank_N // waves
+    sent_A = valid_A & (slot_A < pool)
+    assign_row_A = jnp.where(sent_A, (wave_A * n_shards + dest_A) * pool + slot_A, 0)
+    # Inverse map: send row (w, s, p) holds the (p*W + w)-th assignment bound for shard s.
+    w_WSP, s_WSP, p_WSP = jnp.meshgrid(jnp.arange(waves), jnp.arange(n_shards), jnp.arange(pool), indexing="ij")
+    assign_WSP, valid_WSP = groups.member(s_WSP, p_WSP * waves + w_WSP)
+    ids_WSP = jnp.where(valid_WSP, jnp.take(local_A, assign_WSP) + 1, 0)
+    assign_N = assign_WSP.reshape(-1)
+    return SenderPlan(assign_N // k, assign_N, valid_WSP.reshape(-1), ids_WSP,
+                      assign_row_A.reshape(n_tok, k), sent_A.reshape(n_tok, k),
+                      (valid_A & ~sent_A).reshape(n_tok, k))
+
+
+class ReceiverPlan(NamedTuple):
+    slot_row_C: Int[Array, "C"]  # received row (s*P + p) feeding expert slot c = e*R + r
+    slot_valid_C: Bool[Array, "C"]
+    row_slot_N: Int[Array, "N"]  # expert slot of received row n = s*P + p
+    row_kept_N: Bool[Array, "N"]
+    dropped: Int[Array, ""]
+
+
+def _receiver_plan(ids_SP: Int[Array, "S P"], local_experts: int, capacity: int, rotation) -> ReceiverPlan:
+    """Rank received rows per local expert in interleaved order j = p*S + i: slot p of every source before
+    slot p+1 of any. Inside slot p the i-th source is (i + p + rotation) % S, so the sources that lose a
+    tie at the capacity cut-off change with the slot, the wave and the receiving shard."""
+    n_src, pool = ids_SP.shape
+    p_J, i_J = jnp.divmod(jnp.arange(pool * n_src), n_src)
+    src_J = (i_J + p_J + rotation) % n_src
+    row_J = src_J * pool + p_J  # received row (s*P + p) at interleaved position j
+    ids_J = jnp.take(ids_SP.reshape(-1), row_J)
+    groups = rank_in_groups(jnp.where(ids_J > 0, ids_J - 1, local_experts), local_experts)
+    kept_J = (ids_J > 0) & (groups.rank_N < capacity)
+    e_C, r_C = jnp.divmod(jnp.arange(local_experts * capacity), capacity)
+    j_C, slot_valid_C = groups.member(e_C, r_C)
+    slot_row_C = jnp.take(row_J, j_C)
+    # Back to received-row order through the inverse of the (static) interleaving permutation.
+    j_N = jnp.argsort(row_J)
+    kept_N = jnp.take(kept_J, j_N)
+    row_slot_N = jnp.where(kept_N, jnp.take((ids_J - 1) * capacity + groups.rank_N, j_N), 0)
+    dropped = jnp.sum((ids_J > 0) & ~kept_J, dtype=jnp.int32)
+    return ReceiverPlan(slot_row_C, slot_valid_C, row_slot_N, kept_N, dropped)
+
+
+# ---- one wave: exchange, expert compute, return ----------------------------------------------------
+def _wave(send_SPZ, ids_SP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSizes, wave: int):
+    n_shards, pool, width = send_SPZ.shape
+    local_experts, m, cap = w_gate_EZF.shape[0], sizes.header_rows, sizes.recv_capacity
+    dtype = send_SPZ.dtype
+    block_SHZ = jnp.concatenate([_encode_header(ids_SP, m, width, dtype), send_SPZ], axis=1)
+    # Before: block s is bound for shard s (sharded by source). After: block s came from shard s.
+    recv_SHZ = jax.lax.all_to_all(block_SHZ, EXPERT_AXIS, 0, 0, tiled=True)
+    rotation = (jax.lax.axis_index(EXPERT_AXIS) + wave) % n_shards
+    plan = _receiver_plan(_decode_header(recv_SHZ[:, :m], pool), local_experts, cap, rotation)
+    payload_NZ = recv_SHZ[:, m:].reshape(n_shards * pool, width)
+    x_CZ = gather_rows(payload_NZ, plan.slot_row_C, plan.slot_valid_C, plan.row_slot_N[:, None],
+                       plan.row_kept_N[:, None])
+    # Rematerialised in the backward pass: only x_CZ (and the weights) are kept per wave.
+    y_ERZ = jax.checkpoint(expert_mlp_batched)(x_CZ.reshape(local_experts, cap, width), w_gate_EZF, w_up_EZF,
+                                               w_down_EFZ)
+    ret_NZ = gather_rows(y_ERZ.reshape(-1, width).astype(dtype), plan.row_slot_N, plan.row_kept_N,
+                         plan.slot_row_C[:, None], plan.slot_valid_C[:, None])
+    kept_SP = plan.row_kept_N.reshape(n_shards, pool).astype(jnp.int32)
+    back_SHZ = jnp.concatenate([_encode_header(kept_SP, m, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
+                               axis=1)
+    # Before: block s holds rows that came from shard s. After: block s holds my rows processed by shard s.
+    back_SHZ = jax.lax.all_to_all(back_SHZ, EXPERT_AXIS, 0, 0, tiled=True)
+    return back_SHZ[:, m:], _decode_header(back_SHZ[:, :m], pool) > 0, plan.dropped
+
+
+def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *, sizes: TransportSizes,
+                waves: int, n_shards: int):
+    width, pool = z_TZ.shape[1], sizes.send_pool
+    plan = _sender_plan(expert_TK, mask_T, n_shards, w_gate_EZF.shape[0], waves, pool)
+    # The dispatch result is kept for the backward pass; its cotangent is a gather-sum over each token's K rows.
+    send_NZ = gather_rows(z_TZ, plan.row_token_N, plan.row_valid_N, plan.assign_row_TK, plan.assign_sent_TK)
+    send_WSPZ = send_NZ.reshape(waves, n_shards, pool, width)
+    rets, flags, recv_dropped = zip(*[_wave(send_WSPZ[w], plan.ids_WSP[w], w_gate_EZF, w_up_EZF, w_down_EFZ, sizes, w)
+                                      for w in range(waves)])
+    ret_NZ = jnp.stack(rets).reshape(-1, width)
+    kept_row_N = plan.row_valid_N & jnp.stack(flags).reshape(-1)
+    kept_TK = plan.assign_sent_TK & jnp.take(kept_row_N, plan.assign_row_TK)
+    y_TZ = combine_rows(ret_NZ, weight_TK, plan.assign_row_TK, kept_TK, plan.row_assign_N, kept_row_N)
+
+    valid_TK = jnp.broadcast_to(mask_T[:, None], expert_TK.shape)
+    status_TK = jnp.select([kept_TK, plan.sender_dropped_TK, valid_TK], [KEPT, SENDER_DROPPED, RECEIVER_DROPPED],
+                           PADDING).astype(jnp.int8)
+    count = lambda x: jax.lax.psum(jnp.sum(x, dtype=jnp.int32), BATCH_AXES)
+    stats = {"kept": count(kept_TK), "sender_dropped": count(plan.sender_dropped_TK),
+             "receiver_dropped": jax.lax.psum(sum(recv_dropped), BATCH_AXES),  # counted where it happens
+             "padding_skipped": count(~valid_TK), "valid": count(valid_TK)}
+    dropped = stats["sender_dropped"] + stats["receiver_dropped"]
+    stats["overflow"] = dropped.astype(jnp.float32) / jnp.maximum(stats["valid"], 1).astype(jnp.float32)
+    return y_TZ, stats, status_TK
+
+
+def _layout(mesh: jax.sharding.Mesh, z_TZ, expert_TK, w_gate_EZF) -> tuple[int, int, int]:
+    """(tokens per shard, expert shards S, local experts E_loc), validated."""
+    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    n_shards, n_experts = mesh.shape[EXPERT_AXIS], w_gate_EZF.shape[0]
+    if z_TZ.shape[0] % n_batch:
+        raise ValueError(f"tokens ({z_TZ.shape[0]}) are not divisible by the batch shards ({n_batch})")
+    if n_experts % n_shards:
+        raise ValueError(f"experts ({n_experts}) are not divisible by the expert axis ({n_shards})")
+    if expert_TK.shape[0] != z_TZ.shape[0]:
+        raise ValueError(f"expert_TK has {expert_TK.shape[0]} tokens, z_TZ has {z_TZ.shape[0]}")
+    check_header_dtype(n_experts // n_shards, z_TZ.dtype)
+    return z_TZ.shape[0] // n_batch, n_shards, n_experts // n_shards
+
+
+def routed_expert_parallel_debug(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *,
+                                 mesh: jax.sharding.Mesh, waves: int = 3, cf_send: float = 1.15,
+                                 cf_recv: float = 1.15):
+    """`routed_expert_parallel` plus status_TK int8 [T, K]: PADDING / KEPT / SENDER_DROPPED / RECEIVER_DROPPED."""
+    tokens, n_shards, local_experts = _layout(mesh, z_TZ, expert_TK, w_gate_EZF)
+    sizes = transport_sizes(tokens, expert_TK.shape[1], n_shards, local_experts, waves, cf_send, cf_recv,
+                            z_TZ.shape[1], jnp.dtype(z_TZ.dtype).itemsize)
+    body = partial(_shard_body, sizes=sizes, waves=waves, n_shards=n_shards)
+    tok, exp = TOKENS_SPEC, EXPERTS_SPEC
+    specs = (tok, tok, tok, tok, exp, exp, exp)
+    args = (z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ)
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        # Explicit sharding types must match in_specs exactly; a no-op when the caller already lays
+        # tokens out over BATCH_AXES and the expert weights over `expert`.
+        args = tuple(jax.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, PartitionSpec(), tok))
+    return fn(*args)
+
+
+def routed_expert_parallel(z_TZ: Float[Array, "T Z"], expert_TK: Int[Array, "T K"], weight_TK: Float[Array, "T K"],
+                           mask_T: Bool[Array, "T"], w_gate_EZF: Float[Array, "E Z F"],
+                           w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"], *,
+                           mesh: jax.sharding.Mesh, waves: int = 3, cf_send: float = 1.15, cf_recv: float = 1.15
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Routed experts over the `expert` mesh axis with the pooled-wave transport (SPEC §3).
+
+    Global (SPMD) arrays in, tokens sharded over BATCH_AXES, expert weights over `expert`. Returns y_TZ fp32
+    (sum over kept assignments, sharded like the tokens) and global int32 counts kept, sender_dropped,
+    receiver_dropped, padding_skipped, valid (kept + sender + receiver == valid) plus `overflow` (fp32 fraction
+    of valid assignments dropped).
+    """
+    y_TZ, stats, _ = routed_expert_parallel_debug(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF,
+                                                  w_down_EFZ, mesh=mesh, waves=waves, cf_send=cf_send,
+                                                  cf_recv=cf_recv)
+    return y_TZ, stats
