@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summary", help="print the summary of a finished run")
     s.add_argument("run_dir")
     s.set_defaults(fn=_cmd_summary)
+
+    # Subcommands owned by their modules: each `register(sub)` adds parsers whose `fn(args) -> int`
+    # raises ConfigError/RunError for user errors (one line, exit 2).
+    from moejax.data import cli as data_cli
+    from moejax.ladder import cli as ladder_cli
+    from moejax import report
+
+    for module in (data_cli, ladder_cli, report):
+        module.register(sub)
     return p
 
 
