@@ -135,6 +135,7 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
+    opt_state_memory: str = "device"  # "device" | "pinned_host": where fp32 master + optimizer state live
     checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
     temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept
 
@@ -145,6 +146,8 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")
         _require(self.eval_every >= 0, f"eval_every ({self.eval_every}) must be >= 0")
+        _require(self.opt_state_memory in ("device", "pinned_host"),
+                 f"opt_state_memory ({self.opt_state_memory!r}) must be 'device' or 'pinned_host'")
 
     @property
     def tokens_per_step(self) -> int:
@@ -277,7 +280,7 @@ HERO_MODEL = ModelConfig()  # the defaults are the hero (SPEC §1)
 HERO = RunConfig(
     name="hero",
     model=HERO_MODEL,
-    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero"),
+    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host"),
     parallel=ParallelConfig(replica_dcn=11, data=1, expert=64, model=1),
 )
 
