@@ -1,6 +1,6 @@
 """Frozen, self-validating configuration and the named presets.
 
-A run is `RunConfig(model, train, parallel)`. Every dataclass validates itself in `__post_init__` and
+A run is `RunConfig(model, train, parallel, data)`. Every dataclass validates itself in `__post_init__` and
 raises `ConfigError` (a `ValueError`) naming the field and the numbers involved. Derived quantities are
 properties. Presets live in `PRESETS` (tiny, the ladder rungs d768…d2048, hero); the ladder rule that
 maps a width to a rung is `ladder_rung` (SPEC §5).
@@ -194,12 +194,86 @@ class ParallelConfig:
         return self.moe_backend == "ep" or (self.moe_backend == "auto" and self.expert > 1)
 
 
+def _parse_named(field_name: str, text: str, allow_bare: bool = False) -> dict[str, float]:
+    """`a=0.7,b=0.3` -> {"a": 0.7, "b": 0.3}; with allow_bare a single number means "every source" ("*")."""
+    out: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, raw = item.rpartition("=") if "=" in item else ("*", "=", item)
+        if (not sep or not name) or (name == "*" and not allow_bare):
+            raise ConfigError(f"data.{field_name} item {item!r} is not SOURCE=NUMBER")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"data.{field_name} item {item!r}: {raw!r} is not a number") from None
+        _require(value > 0 and math.isfinite(value),
+                 f"data.{field_name}: {name!r} has {value}; every value must be a finite number > 0")
+        _require(name not in out, f"data.{field_name}: source {name!r} is listed twice")
+        out[name] = value
+    return out
+
+
+def _parse_schedule(text: str) -> tuple[tuple[float, int], ...]:
+    """`0.5:8192,0.95:65536` -> ((0.5, 8192), (0.95, 65536)): from that fraction of steps, that length."""
+    points = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        frac, sep, length = item.partition(":")
+        try:
+            point = (float(frac), int(length))
+        except ValueError:
+            raise ConfigError(f"data.context_schedule item {item!r} is not FRACTION:SEQ_LEN") from None
+        _require(bool(sep) and 0.0 < point[0] < 1.0 and point[1] > 0,
+                 f"data.context_schedule item {item!r}: need 0 < fraction < 1 and seq_len > 0")
+        _require(not points or point[0] > points[-1][0],
+                 f"data.context_schedule fractions must increase ({points[-1][0] if points else 0} then {point[0]})")
+        points.append(point)
+    return tuple(points)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are mixed (SPEC §5). String-valued specs keep `--set` and the
+    config.json round trip trivial; parsed forms are properties. Defaults: the embedded KJV corpus."""
+
+    store: str = ""  # a `moejax data prepare` output dir; "" = the embedded KJV (BPE at model.vocab_size)
+    weights: str = ""  # "web=0.7,code=0.3"; "" = every source of the store, in proportion to its tokens
+    cooldown_weights: str = ""  # second-phase weights; "" = no second phase
+    cooldown_start: float = 0.8  # fraction of train.steps where cooldown_weights take over (SPEC §5: ~80%)
+    max_epochs: str = ""  # "4" (every source) or "code=4,web=1"; a source leaves the mixture at its cap
+    heldout_fraction: float = 0.02  # last fraction of each source's documents: eval only, never trained on
+    context_schedule: str = ""  # "0.5:8192,0.95:65536": seq_len from that fraction on, tokens/step fixed
+    prefetch: int = 2  # batches computed ahead by a background thread; 0 = synchronous
+
+    def __post_init__(self):
+        self.weight_map, self.cooldown_weight_map, self.epoch_caps, self.schedule_points  # validate
+        _require(0.0 < self.cooldown_start < 1.0, f"data.cooldown_start ({self.cooldown_start}) must be in (0, 1)")
+        _require(0.0 < self.heldout_fraction < 1.0,
+                 f"data.heldout_fraction ({self.heldout_fraction}) must be in (0, 1)")
+        _require(self.prefetch >= 0, f"data.prefetch ({self.prefetch}) must be >= 0")
+
+    @property
+    def weight_map(self) -> dict[str, float]:
+        return _parse_named("weights", self.weights)
+
+    @property
+    def cooldown_weight_map(self) -> dict[str, float]:
+        return _parse_named("cooldown_weights", self.cooldown_weights)
+
+    @property
+    def epoch_caps(self) -> dict[str, float]:
+        return _parse_named("max_epochs", self.max_epochs, allow_bare=True)
+
+    @property
+    def schedule_points(self) -> tuple[tuple[float, int], ...]:
+        return _parse_schedule(self.context_schedule)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     name: str = "custom"
+    data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self):
         m, t, p = self.model, self.train, self.parallel
@@ -217,7 +291,8 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "model": dataclasses.asdict(self.model),
-                "train": dataclasses.asdict(self.train), "parallel": dataclasses.asdict(self.parallel)}
+                "train": dataclasses.asdict(self.train), "parallel": dataclasses.asdict(self.parallel),
+                "data": dataclasses.asdict(self.data)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -225,7 +300,8 @@ class RunConfig:
     @staticmethod
     def from_dict(d: dict) -> "RunConfig":
         return RunConfig(model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
-                         parallel=ParallelConfig(**d["parallel"]), name=d.get("name", "custom"))
+                         parallel=ParallelConfig(**d["parallel"]), name=d.get("name", "custom"),
+                         data=DataConfig(**d.get("data", {})))
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -240,7 +316,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 # ---- overrides ---------------------------------------------------------------------------------
-_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig}
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig, "data": DataConfig}
 
 
 def _coerce(cls: type, name: str, raw: str) -> Any:

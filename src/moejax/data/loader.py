@@ -1,4 +1,8 @@
-"""Token store and a resumable batcher of packed sequences with segment ids.
+"""Packed sequences with segment ids: the legacy single-store `Batcher` and the pipeline's `MixtureLoader`.
+
+`MixtureLoader` (built by `pipeline.make_data`) reads windows chosen by `mixture.py` from several sources
+and packs them with `pack_windows`; the rest of this docstring describes the original `Batcher`, kept until
+the training loop switches to `make_data`.
 
 A `TokenStore` is one flat int32 token array (documents separated by EOS) plus document start offsets.
 `Batcher.batch(step)` is a pure function of (seed, step, split): it draws `batch_size` windows of
@@ -65,3 +69,75 @@ class Batcher:
             "positions": pos[:, :-1],
             "loss_mask": seg[:, 1:] == seg[:, :-1],
         }
+
+
+# ---- packed windows from a mixture of sources (the pipeline's loader) -----------------------------------
+def pack_windows(tokens: np.ndarray, doc_offsets: np.ndarray, starts: np.ndarray,
+                 seq_len: int) -> dict[str, np.ndarray]:
+    """Rows of seq_len + 1 tokens from each start, labelled with document-relative segment ids (from 1) and
+    positions (offset inside the document, so a document cut by the window keeps its true positions)."""
+    rows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts.tolist()]).astype(np.int32)
+    idx = starts[:, None] + np.arange(seq_len + 1)[None, :]  # [R, S+1]
+    doc = np.searchsorted(doc_offsets, idx, side="right") - 1
+    seg = (doc - doc[:, :1] + 1).astype(np.int32)
+    pos = (idx - doc_offsets[doc]).astype(np.int32)
+    return {"tokens": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": seg[:, :-1], "positions": pos[:, :-1],
+            "loss_mask": seg[:, 1:] == seg[:, :-1]}
+
+
+@dataclass(frozen=True)
+class MixtureLoader:
+    """`batch(step)`: this process's rows of the global batch of `step`, a pure function of (seed, step).
+
+    Row r of the global batch depends only on (seed, step, r), so rows [p*B/P, (p+1)*B/P) computed by
+    process p concatenate to the single-process batch for any process count P.
+    """
+
+    sources: tuple  # SourceTokens
+    ranges: tuple[tuple[int, int], ...]  # token range [lo, hi) of this split in each source
+    spans: tuple  # mixture.Span, ascending
+    seed: int
+    split: str
+    vocab_size: int
+    process_index: int = 0
+    process_count: int = 1
+
+    def span_at(self, step: int):
+        for span in self.spans:
+            if step < span.stop:
+                return span
+        return self.spans[-1]  # past the planned steps: the last span continues
+
+    def seq_len_at(self, step: int) -> int:
+        return self.span_at(step).seq_len
+
+    def batch_size_at(self, step: int) -> int:
+        return self.span_at(step).batch_size // self.process_count
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        from moejax.data.mixture import permute
+
+        span = self.span_at(step)
+        src, ctr = span.rows(step)
+        per = span.batch_size // self.process_count
+        mine = slice(self.process_index * per, (self.process_index + 1) * per)
+        src, ctr = src[mine], ctr[mine]
+        L, parts, where = span.seq_len, [], []
+        for k in np.unique(src):
+            lo, hi = self.ranges[k]
+            n = (hi - lo - 1) // L
+            rows = np.flatnonzero(src == k)
+            epoch, within = np.divmod(ctr[rows], n)
+            starts = np.empty(len(rows), np.int64)
+            for e in np.unique(epoch):
+                sel = epoch == e
+                starts[sel] = lo + L * permute(within[sel], n, (self.seed, SPLITS[self.split], int(k), L, int(e)))
+            parts.append(pack_windows(self.sources[k].tokens, self.sources[k].doc_offsets, starts, L))
+            where.append(rows)
+        order = np.argsort(np.concatenate(where), kind="stable")
+        out = {key: np.concatenate([p[key] for p in parts])[order] for key in parts[0]}
+        top = max(int(out["tokens"].max()), int(out["targets"].max()))
+        if top >= self.vocab_size:  # an embedding lookup would clamp it silently
+            raise ValueError(f"{self.split} batch {step}: token id {top} is >= the tokenizer's vocab_size "
+                             f"{self.vocab_size}")
+        return out

@@ -61,3 +61,113 @@ def bytes_per_token(tok: Tokenizer, vocab_size: int) -> np.ndarray:
         s = tok.id_to_token(i)
         out[i] = 0 if s is None or s in special else len(s)
     return out
+
+
+# ---- tokenizer specs for `moejax data prepare` ----------------------------------------------------
+# A spec is `bpe:VOCAB` (byte-level BPE trained on the sources), a path to a Hugging Face tokenizer.json,
+# or `llama3` (Meta's tiktoken model inside the optional `llama-models` package).
+EOS_CANDIDATES = (EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+# Llama-3's pre-tokenizer regex and specials, from llama_models/llama3/tokenizer.py (128,000 BPE ids +
+# 256 reserved specials; <|end_of_text|> = 128001).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPECIALS = 256
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` with the few calls the pipeline needs (batch encode runs on Rust threads)."""
+
+    def __init__(self, tok: Tokenizer, spec: str):
+        self.tok, self.spec = tok, spec
+        self.vocab_size = tok.get_vocab_size()
+        eos = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+        if eos is None:
+            raise ValueError(f"tokenizer {spec} has none of the end-of-document tokens {', '.join(EOS_CANDIDATES)}")
+        self.eos_token, self.eos_id = eos, tok.token_to_id(eos)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def bytes_per_token(self) -> np.ndarray:
+        if isinstance(self.tok.pre_tokenizer, pre_tokenizers.ByteLevel):
+            return bytes_per_token(self.tok, self.vocab_size)
+        # Other models: UTF-8 length of each id's text (specials 0); exact for byte-fallback-free vocabs.
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        out = np.zeros((self.vocab_size,), np.int32)
+        for i in range(self.vocab_size):
+            s = self.tok.id_to_token(i)
+            out[i] = 0 if s is None or s in special else len(self.tok.decode([i]).encode("utf-8"))
+        return out
+
+    def save(self, path: Path) -> None:
+        self.tok.save(str(path))
+
+
+class TiktokenTokenizer:
+    """Llama-3 through tiktoken; `encode_ordinary_batch` runs on tiktoken's thread pool."""
+
+    def __init__(self, model_path: str, spec: str):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        ranks = load_tiktoken_bpe(model_path)
+        n = len(ranks)
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+                    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+        specials += [f"<|reserved_special_token_{i}|>" for i in range(2, 2 + LLAMA3_SPECIALS - len(specials))]
+        self.enc = tiktoken.Encoding(name="llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens={t: n + i for i, t in enumerate(specials)})
+        self.spec, self.vocab_size, self.model_path = spec, n + LLAMA3_SPECIALS, model_path
+        self.eos_token, self.eos_id = "<|end_of_text|>", n + 1
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e, np.int64) for e in self.enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1)]
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([int(i) for i in ids])
+
+    def bytes_per_token(self) -> np.ndarray:
+        out = np.zeros((self.vocab_size,), np.int32)
+        for i in range(self.vocab_size - LLAMA3_SPECIALS):
+            out[i] = len(self.enc.decode_single_token_bytes(i))
+        return out
+
+    def save(self, path: Path) -> None:  # the model file is Meta's; the store records its checksum instead
+        pass
+
+
+def llama3_model_path() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_models")
+    path = Path(spec.origin).parent / "llama3" / "tokenizer.model" if spec and spec.origin else None
+    if path is None or not path.exists() or importlib.util.find_spec("tiktoken") is None:
+        raise ValueError("tokenizer llama3 needs the optional llama-models and tiktoken packages: "
+                         "pip install moejax[llama]")
+    return str(path)
+
+
+def tokenizer_from_spec(spec: str, training_docs=None):
+    """`bpe:VOCAB` (trained on `training_docs()`, an iterable factory), a tokenizer.json path, or `llama3`.
+    Raises ValueError with a one-line message for a bad spec."""
+    if spec.startswith("bpe:"):
+        vocab = spec[4:]
+        if not vocab.isdigit() or int(vocab) < 257:
+            raise ValueError(f"tokenizer {spec!r}: VOCAB must be an integer >= 257 (256 bytes + EOS)")
+        return HFTokenizer(train_bpe(training_docs(), int(vocab)), spec)
+    if spec == "llama3":
+        return TiktokenTokenizer(llama3_model_path(), spec)
+    if spec.endswith(".json"):
+        if not os.path.isfile(spec):
+            raise ValueError(f"tokenizer file {spec} does not exist")
+        try:
+            tok = Tokenizer.from_file(spec)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            reason = str(e).splitlines()[0]
+            raise ValueError(f"tokenizer file {spec} is not a valid tokenizer.json ({reason})") from None
+        return HFTokenizer(tok, spec)
+    raise ValueError(f"unknown tokenizer {spec!r} (use bpe:VOCAB, a path to a tokenizer.json, or llama3)")

@@ -26,9 +26,7 @@ from tqdm import tqdm
 
 from moejax import accounting
 from moejax.config import ParallelConfig, RunConfig
-from moejax.data.default import bible_store
-from moejax.data.loader import Batcher
-from moejax.data.tokenizer import bytes_per_token
+from moejax.data.pipeline import make_data
 from moejax.metrics import MetricsWriter, to_py
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.parallel.expert_parallel import routed_expert_parallel
@@ -40,11 +38,7 @@ from moejax.train.heuristic import optimizer_heuristic
 from moejax.train.optimizer import hero_optimizer
 from moejax.train.schedule import warmup_linear_decay
 from moejax.train.state import TrainState, init_state
-from moejax.train.step import make_eval_step, make_train_step
-
-
-# Fault injection for the preemption tests: deliver a real SIGTERM to ourselves after this step.
-_FAULT_SIGTERM_AT = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
+from moejax.train.step import Offload, make_eval_step, make_train_step
 
 
 class RunError(RuntimeError):
@@ -89,10 +83,13 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool) -> bool:
             old = json.loads(cfg_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise RunError(f"run dir {run_dir} has an unreadable config.json ({e}); pass --overwrite to replace it")
-        diff = _first_difference(old, cfg.to_dict())
+        # The mesh may change between restarts (checkpoints reshard on load); the model and schedule may not.
+        diff = _first_difference({k: v for k, v in old.items() if k != "parallel"},
+                                 {k: v for k, v in cfg.to_dict().items() if k != "parallel"})
         if diff:
             raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
                            "choose another --run-dir or pass --overwrite")
+        _atomic_write(cfg_path, cfg.to_json())  # records the mesh this restart runs on
         return True
     if run_dir.exists() and overwrite:
         shutil.rmtree(run_dir)
@@ -137,20 +134,22 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
 
 
 def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dict:
+    """Train (or resume) the run in `run_dir`; returns the summary. Raises RunError/ConfigError for user
+    errors, Preempted after SIGTERM/SIGINT (a temporary checkpoint is then on disk)."""
     run_dir = Path(run_dir)
-    resuming = prepare_run_dir(run_dir, cfg, opts.overwrite)
+    data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+    try:
+        resuming = prepare_run_dir(run_dir, cfg, opts.overwrite)
+        peak = opts.peak_flops or measure_matmul_peak()
+        _atomic_write(run_dir / "run_info.json", json.dumps({**run_info(cfg, peak), "data": data.describe()}, indent=2))
+        return _train_loop(cfg, run_dir, opts, data, resuming, peak)
+    finally:
+        data.close()
+
+
+def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float) -> dict:
     m, t = cfg.model, cfg.train
-    store, tok = bible_store(m.vocab_size)
-    if tok.get_vocab_size() > m.vocab_size:
-        raise RunError(f"tokenizer has {tok.get_vocab_size()} ids but model.vocab_size is {m.vocab_size}")
-    train_data = Batcher(store, t.seq_len, t.batch_size, t.seed, "train")
-    eval_data = Batcher(store, t.seq_len, t.batch_size, t.seed, "eval")
-    bpt = jnp.asarray(bytes_per_token(tok, m.vocab_size))
-
-    peak = opts.peak_flops or measure_matmul_peak()
-    _atomic_write(run_dir / "run_info.json", json.dumps(run_info(cfg, peak), indent=2))
-    flops_per_step = 3.0 * accounting.fwd_flops_per_token(m, t.seq_len) * t.tokens_per_step
-
+    bpt = jnp.asarray(data.bytes_per_token)
     optimizer, lr_fn = make_optimizer(cfg)
     try:
         ckpt = CheckpointManager(run_dir, permanent_every=t.checkpoint_every,
@@ -164,16 +163,20 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
     start = int(state.step)
     if start:
         _truncate_metrics(run_dir, start)
+    state, offload = place_state(state, t.opt_state_memory)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     routed = routed_backend(cfg.parallel, mesh)
-    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat), donate_argnums=0,
-                      in_shardings=(state_sh, batch_sharding(mesh)), out_shardings=(state_sh, None))
+    batch_sh = batch_sharding(mesh)
+    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat, offload=offload),
+                      donate_argnums=0, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
+    to_global = lambda b: jax.make_array_from_process_local_data(batch_sh, b)  # this process's rows only
 
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project, run_name=run_dir.name,
                            config=cfg.to_dict())
+    fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
     history, t_start = [], time.perf_counter()
@@ -181,16 +184,18 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
         with PreemptionGuard() as guard:
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
-                state, metrics = step_fn(state, train_data.batch(step))
+                state, metrics = step_fn(state, to_global(data.train.batch(step)))
                 metrics = {k: to_py(v) for k, v in jax.device_get(metrics).items()}
                 dt = time.perf_counter() - t0
                 _check_finite(step, metrics, run_dir)
+                flops = 3.0 * accounting.fwd_flops_per_token(m, data.train.seq_len_at(step)) * t.tokens_per_step
                 metrics.update({"throughput/step_time": dt, "throughput/tokens_per_second": t.tokens_per_step / dt,
-                                "throughput/mfu": flops_per_step / dt / peak})
+                                "throughput/mfu": flops / dt / peak, "data/seq_len": data.train.seq_len_at(step)})
                 last = step + 1 == t.steps
                 if last or (t.eval_every and (step + 1) % t.eval_every == 0):
+                    params = state.params if offload is None else jax.device_put(state.params, offload.params_device)
                     for prefix, fn in eval_fns.items():
-                        metrics.update(evaluate(fn, state.params, eval_data, t.eval_batches, bpt, prefix))
+                        metrics.update(evaluate(fn, params, data.eval, t.eval_batches, bpt, prefix, to_global))
                 if step % t.log_every == 0 or last:
                     writer.log(step, metrics)
                 history.append(metrics)
@@ -198,7 +203,7 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
                                 tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
                                 drop=f"{metrics['moe/drop_fraction']:.3f}")
                 bar.update(1)
-                if step + 1 == _FAULT_SIGTERM_AT:
+                if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
                     os.kill(os.getpid(), signal.SIGTERM)
                 if guard.stop_requested():
                     ckpt.save(step + 1, state, kind="temporary", extra_metadata={"data_step": step + 1})
@@ -253,14 +258,28 @@ def _truncate_metrics(run_dir: Path, start: int) -> None:
         _atomic_write(path, "".join(r + "\n" for r in rows))
 
 
-def evaluate(eval_fn, params, data: Batcher, n_batches: int, bpt, prefix: str) -> dict:
+def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=lambda b: b) -> dict:
+    """Held-out loss and bits per byte over the first `n_batches` eval batches (always the same ones)."""
     ce, toks, nbytes, drops = 0.0, 0.0, 0.0, []
     for i in range(n_batches):
-        out = jax.device_get(eval_fn(params, data.batch(i), bpt))
+        out = jax.device_get(eval_fn(params, to_global(data.batch(i)), bpt))
         ce, toks, nbytes = ce + float(out["ce_sum"]), toks + float(out["tokens"]), nbytes + float(out["bytes"])
         drops.append(float(out["moe/drop_fraction"]))
     return {f"{prefix}loss": ce / max(toks, 1.0), f"{prefix}bpb": ce / np.log(2.0) / max(nbytes, 1.0),
             f"{prefix}drop_fraction": float(np.mean(drops))}
+
+
+def place_state(state: TrainState, memory: str) -> tuple[TrainState, Offload | None]:
+    """Keep fp32 master weights + optimizer state in `pinned_host` memory when asked (SPEC §4)."""
+    if memory == "device":
+        return state, None
+    dev = lambda tree: jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree)
+    host = lambda tree: jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), tree)
+    offload = Offload(params_device=dev(state.params), opt_device=dev(state.opt_state),
+                      params_host=host(state.params), opt_host=host(state.opt_state))
+    state = dataclasses.replace(state, params=jax.device_put(state.params, offload.params_host),
+                                opt_state=jax.device_put(state.opt_state, offload.opt_host))
+    return state, offload
 
 
 def routed_backend(p: ParallelConfig, mesh):

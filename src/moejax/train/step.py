@@ -6,7 +6,7 @@ backend is injected), optimizer update, new pending QB bias, and the step's metr
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import jax
@@ -55,15 +55,33 @@ def qb_hook(cfg: ModelConfig):
     return hook
 
 
+@dataclass(frozen=True)
+class Offload:
+    """Where the fp32 master weights and optimizer state live between steps (SPEC §4 pinned host).
+
+    Each field is a sharding pytree; `host` ones carry memory_kind="pinned_host". Inside the jitted step
+    they are moved to device memory for the forward/backward and the update, then back to host.
+    """
+
+    params_device: object
+    opt_device: object
+    params_host: object
+    opt_host: object
+
+
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fn: Callable,
-                    routed: RoutedFn = routed_local_with_stats, remat: bool = True):
+                    routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None):
     layer_hook = qb_hook(cfg) if cfg.qb else None
 
     def train_step(state: TrainState, batch: dict):
-        params = with_router_bias(state.params, state.qb_bias)
+        master, opt_state = state.params, state.opt_state
+        if offload is not None:  # host -> device for this step only
+            master = jax.device_put(master, offload.params_device)
+            opt_state = jax.device_put(opt_state, offload.opt_device)
+        params = with_router_bias(master, state.qb_bias)
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         layers = aux["layers"]
         qb_bias = layers.pop("qb_bias", state.qb_bias)
@@ -79,8 +97,12 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
             "train/router/load": layers["load"],
             **moe_metrics(layers, cfg.n_layers),
         }
-        new_state = TrainState(step=state.step + 1, params=with_router_bias(new_params, qb_bias),
-                               opt_state=opt_state, qb_bias=qb_bias, rng=state.rng)
+        new_params = with_router_bias(new_params, qb_bias)
+        if offload is not None:  # device -> host: only the bf16 math stays on the accelerator
+            new_params = jax.device_put(new_params, offload.params_host)
+            opt_state = jax.device_put(opt_state, offload.opt_host)
+        new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, qb_bias=qb_bias,
+                               rng=state.rng)
         return new_state, metrics
 
     return train_step

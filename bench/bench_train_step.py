@@ -1,0 +1,96 @@
+"""Tokens/s and MFU of the jitted training step of the tiny preset, with `remat` off and on (not a test).
+
+MFU = 3 x `accounting.fwd_flops_per_token` x tokens per step / step time / peak, where peak is the fp32
+matmul FLOP/s of device 0 measured in this same run (`perf.measure_matmul_peak`), so numbers from different
+(or busy) machines stay comparable. The tiny model computes in bf16; on CPU that is usually *slower* than
+fp32, so MFU against the fp32 peak is the honest figure there. Step times are the median of `--steps` timed
+steps after `--warmup` untimed ones (compile excluded), each blocked on; batches are prepared beforehand,
+so data loading is not timed. The remat-off and remat-on steps alternate, so a busy shared machine slows
+both alike rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
+
+Usage: python bench/bench_train_step.py [--steps 10] [--warmup 2] [--batch-size 16] [--seq-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from moejax import accounting
+from moejax.config import TINY
+from moejax.data.default import bible_store
+from moejax.data.loader import Batcher
+from moejax.perf import measure_matmul_peak
+from moejax.train.loop import make_optimizer
+from moejax.train.state import init_state
+from moejax.train.step import make_train_step
+
+
+def compiled_step(cfg, remat: bool, batch: dict):
+    """(jitted step, fresh state, compile + first step seconds) of the train step under `remat`."""
+    optimizer, lr_fn = make_optimizer(cfg)
+    state = init_state(cfg, optimizer, jax.random.key(cfg.train.seed))
+    step_fn = jax.jit(make_train_step(cfg.model, optimizer, lr_fn, remat=remat), donate_argnums=0)
+    t0 = time.perf_counter()
+    state, _ = jax.block_until_ready(step_fn(state, batch))
+    return step_fn, state, time.perf_counter() - t0
+
+
+def time_interleaved(cfg, batches: list[dict], warmup: int) -> dict:
+    """Per remat setting: (timed step seconds, compile seconds, last loss). The two settings alternate step by
+    step, so load from other processes on a shared machine hits both alike instead of biasing the ratio."""
+    runs = {remat: compiled_step(cfg, remat, batches[0]) for remat in (False, True)}
+    states = {remat: r[1] for remat, r in runs.items()}
+    times, losses = {False: [], True: []}, {}
+    for i, batch in enumerate(batches[1:], start=1):
+        for remat in (False, True) if i % 2 else (True, False):
+            t0 = time.perf_counter()
+            states[remat], metrics = jax.block_until_ready(runs[remat][0](states[remat], batch))
+            times[remat].append(time.perf_counter() - t0)
+            losses[remat] = float(metrics["train/loss"])
+    return {remat: (times[remat][warmup - 1:], runs[remat][2], losses[remat]) for remat in (False, True)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per setting")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    ap.add_argument("--batch-size", type=int, default=TINY.train.batch_size)
+    ap.add_argument("--seq-len", type=int, default=TINY.train.seq_len)
+    args = ap.parse_args()
+
+    cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
+                                                              seq_len=args.seq_len))
+    m, t = cfg.model, cfg.train
+    store, _ = bible_store(m.vocab_size)
+    data = Batcher(store, t.seq_len, t.batch_size, t.seed, "train")
+    batches = [jax.device_put(data.batch(i)) for i in range(args.warmup + args.steps)]
+
+    peak = measure_matmul_peak()
+    fwd = accounting.fwd_flops_per_token(m, t.seq_len)
+    flops_per_step = 3.0 * fwd * t.tokens_per_step
+
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))")
+    print(f"tiny preset: {m.n_layers} layers, d_model {m.d_model}, {m.n_experts} experts top-{m.top_k}, "
+          f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}")
+    print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
+    print(f"measured fp32 matmul peak (1024^3, best of 5): {peak / 1e9:.1f} GFLOP/s")
+    print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps\n")
+
+    print("| remat | compile + 1st step (s) | step time (ms, median) | min / max (ms) | tokens/s | MFU | last loss |")
+    print("|---|---|---|---|---|---|---|")
+    medians = {}
+    for remat, (times, first, loss) in time_interleaved(cfg, batches, args.warmup).items():
+        med = medians[remat] = float(np.median(times))
+        print(f"| {'on' if remat else 'off'} | {first:.1f} | {1e3 * med:.1f} | {1e3 * min(times):.1f} / "
+              f"{1e3 * max(times):.1f} | {t.tokens_per_step / med:,.0f} | {100 * flops_per_step / med / peak:.2f}% | "
+              f"{loss:.3f} |")
+    print(f"\nstep time remat on / off: {medians[True] / medians[False]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

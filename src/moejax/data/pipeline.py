@@ -1,0 +1,191 @@
+"""The training loop's one entry point to data: `make_data(run_cfg) -> DataBundle`.
+
+    data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+    batch = data.train.batch(step)   # numpy tokens/targets/segment_ids/positions/loss_mask, this process's rows
+    data.eval.batch(i); data.bytes_per_token; data.describe(); data.close()
+
+`cfg.data.store == ""` is the embedded KJV corpus with a BPE trained at `model.vocab_size` (the demo);
+otherwise a store written by `moejax data prepare`. Eval batches use the first-phase weights at the base
+sequence length and batch size, so eval numbers stay comparable across context-length phases.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moejax.config import ConfigError, RunConfig
+from moejax.data.loader import MixtureLoader
+from moejax.data.mixture import Span, build_plan, integer_weights
+from moejax.data.schedule import ContextSchedule
+from moejax.data.store import SourceTokens, Store, open_store
+
+
+class Prefetcher:
+    """Computes the next `depth` batches on one background thread; a request for any other step (a resume,
+    an eval index) is computed in the caller's thread, so results never depend on timing."""
+
+    def __init__(self, loader, depth: int):
+        self.loader, self.depth = loader, depth
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"moejax-data-{loader.split}")
+        self.pending: dict[int, object] = {}
+        self.lock = threading.Lock()
+        self.stall_s, self.batches, self.hits = 0.0, 0, 0
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
+        with self.lock:
+            fut = self.pending.pop(step, None)
+            for s in [s for s in self.pending if not step < s <= step + self.depth]:
+                self.pending.pop(s).cancel()
+            for s in range(step + 1, step + 1 + self.depth):
+                if s not in self.pending:
+                    self.pending[s] = self.pool.submit(self.loader.batch, s)
+        out = fut.result() if fut is not None else self.loader.batch(step)
+        self.stall_s += time.perf_counter() - t0
+        self.batches, self.hits = self.batches + 1, self.hits + (fut is not None)
+        return out
+
+    def stats(self) -> dict:
+        """Time the caller spent waiting for batches (the loader's stall on the step) and prefetch hits."""
+        return {"stall_s": self.stall_s, "batches": self.batches, "prefetch_hits": self.hits}
+
+    def __getattr__(self, name):  # seq_len_at, batch_size_at, span_at ... of the wrapped loader
+        return getattr(self.loader, name)
+
+    def close(self) -> None:
+        with self.lock:
+            for f in self.pending.values():
+                f.cancel()
+            self.pending.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class DataBundle:
+    train: object  # MixtureLoader or Prefetcher: .batch(step), .seq_len_at(step), .batch_size_at(step)
+    eval: MixtureLoader
+    bytes_per_token: np.ndarray  # int32 [model.vocab_size] (ids past the tokenizer's vocab count 0)
+    vocab_size: int  # the tokenizer's
+    schedule: ContextSchedule
+    store: Store
+    info: dict = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return {**self.store.describe(), **self.info, "context_schedule": self.schedule.describe()}
+
+    def stats(self) -> dict:
+        """Loader stall so far (seconds the caller waited in `train.batch`), e.g. for a `data/stall_s` metric."""
+        return self.train.stats() if isinstance(self.train, Prefetcher) else {}
+
+    def close(self) -> None:
+        if isinstance(self.train, Prefetcher):
+            self.train.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int = 1,
+              store: Store | None = None) -> DataBundle:
+    """The run's data; `store` overrides `run_cfg.data.store` (tests build small ones in memory)."""
+    d, t, m = run_cfg.data, run_cfg.train, run_cfg.model
+    if not 0 <= process_index < process_count:
+        raise ConfigError(f"process_index ({process_index}) must be in [0, process_count={process_count})")
+    if store is None:
+        store = open_store(d.store) if d.store else kjv_store(m.vocab_size)
+    if store.vocab_size > m.vocab_size:
+        raise ConfigError(f"data store {store.path or '(embedded KJV)'} was tokenised with {store.tokenizer_spec} "
+                          f"({store.vocab_size} ids) but model.vocab_size is {m.vocab_size}")
+    names = list(store.sources)
+    sources = tuple(store.sources[n] for n in names)
+    cuts = [s.heldout_cut(d.heldout_fraction) for s in sources]
+    schedule = ContextSchedule.from_config(t, d, process_count)
+    phases = _phases(d, t.steps, names, [c - 1 for c in cuts])
+    caps = {names.index(n): c for n, c in _caps(d, names).items()}
+    used = sorted({k for _, w in phases for k in w})
+    for k in used:
+        for _, length, _ in schedule.boundaries:
+            _need_tokens(names[k], "train", cuts[k], length)
+        _need_tokens(names[k], "eval", sources[k].n_tokens - cuts[k], t.seq_len)
+
+    def n_windows(k, seq_len):
+        return (cuts[k] - 1) // seq_len
+
+    spans = build_plan(n_windows, phases, caps, list(schedule.boundaries), t.steps, names)
+    common = dict(sources=sources, seed=t.seed, vocab_size=store.vocab_size, process_index=process_index,
+                  process_count=process_count)
+    train = MixtureLoader(ranges=tuple((0, c) for c in cuts), spans=tuple(spans), split="train", **common)
+    first = phases[0][1]
+    eval_span = Span(0, 1, t.seq_len, t.batch_size, tuple(sorted(first)),
+                     tuple(integer_weights([first[k] for k in sorted(first)])), tuple(0 for _ in first))
+    evals = MixtureLoader(ranges=tuple((c, s.n_tokens) for c, s in zip(cuts, sources)), spans=(eval_span,),
+                          split="eval", **common)
+    bpt = np.zeros((m.vocab_size,), np.int32)
+    bpt[:store.vocab_size] = store.bytes_per_token
+    info = {"mixture": _describe_plan(spans, names, n_windows), "heldout_fraction": d.heldout_fraction,
+            "process_index": process_index, "process_count": process_count, "prefetch": d.prefetch}
+    return DataBundle(Prefetcher(train, d.prefetch) if d.prefetch else train, evals, bpt, store.vocab_size,
+                      schedule, store, info)
+
+
+def _need_tokens(name: str, split: str, n: int, seq_len: int) -> None:
+    if n < seq_len + 2:
+        raise ConfigError(f"source {name!r} has {n} {split} tokens, fewer than seq_len + 2 ({seq_len + 2}); "
+                          "add data or lower the sequence length / data.heldout_fraction")
+
+
+def _check_names(field_name: str, given, names: list[str]) -> None:
+    unknown = sorted(set(given) - set(names) - {"*"})
+    if unknown:
+        raise ConfigError(f"data.{field_name} names {', '.join(map(repr, unknown))}, not in the store "
+                          f"(sources: {', '.join(names)})")
+
+
+def _phases(d, steps: int, names: list[str], train_tokens: list[int]) -> list[tuple[int, dict[int, float]]]:
+    """[(first step, {source index: weight})]: the main weights, then the cooldown weights if given."""
+    main = d.weight_map or {n: float(max(tok, 1)) for n, tok in zip(names, train_tokens)}
+    _check_names("weights", main, names)
+    phases = [(0, {names.index(n): w for n, w in main.items()})]
+    if d.cooldown_weights:
+        _check_names("cooldown_weights", d.cooldown_weight_map, names)
+        phases.append((round(d.cooldown_start * steps), {names.index(n): w for n, w in d.cooldown_weight_map.items()}))
+    return phases
+
+
+def _caps(d, names: list[str]) -> dict[str, float]:
+    caps = d.epoch_caps
+    _check_names("max_epochs", caps, names)
+    if "*" in caps:
+        return {n: caps.get(n, caps["*"]) for n in names}
+    return caps
+
+
+def _describe_plan(spans: list[Span], names: list[str], n_windows) -> list[dict]:
+    out = []
+    for s in spans:
+        total = sum(s.weights)
+        out.append({"steps": [s.start, s.stop], "seq_len": s.seq_len, "batch_size": s.batch_size,
+                    "weights": {names[k]: round(w / total, 6) for k, w in zip(s.sources, s.weights)},
+                    "epochs_at_start": {names[k]: round(f / n_windows(k, s.seq_len), 4)
+                                        for k, f in zip(s.sources, s.first_window)}})
+    return out
+
+
+def kjv_store(vocab_size: int) -> Store:
+    """The embedded default: KJV chapters, BPE trained at `vocab_size` (cached), as a one-source store."""
+    from moejax.data.default import bible_store
+    from moejax.data.tokenizer import EOS, bytes_per_token
+
+    ts, tok = bible_store(vocab_size)
+    offsets = np.append(ts.doc_starts, len(ts.tokens)).astype(np.int64)
+    n = tok.get_vocab_size()
+    return Store("", f"bpe:{vocab_size} (embedded KJV)", n, tok.token_to_id(EOS), bytes_per_token(tok, n),
+                 {"kjv": SourceTokens("kjv", ts.tokens, offsets)})

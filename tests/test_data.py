@@ -1,0 +1,170 @@
+"""`moejax data prepare` and the token store: round trip, checksums, atomic writes, and one clear CLI error
+(exit 2, no partial store) for each kind of bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moejax.cli import main
+from moejax.data.prepare import prepare
+from moejax.data.sources import ReadOptions
+from moejax.data.store import open_store, sha256_file
+from moejax.data.tokenizer import Tokenizer
+
+DOCS_A = ["In the beginning was the word.", "Ünïcödé — ok ✓ 中文", "line one\nline two\n\n  spaced  "]
+DOCS_B = ["{\"json\": inside}", "tabs\tand\r\nCRLF", "x" * 500 + " ".join(f"w{i * 7919 % 1000}" for i in range(80))]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "raw"
+    d.mkdir()
+    for i, doc in enumerate(DOCS_A):
+        (d / f"a{i}.txt").write_text(doc, encoding="utf-8", newline="")
+    (d / "b.jsonl").write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(DOCS_B)))
+    return d
+
+
+def _prepare_cli(corpus, out, *extra):
+    return main(["data", "prepare", "--source", f"a={corpus / 'a0.txt'},{corpus / 'a1.txt'},{corpus / 'a2.txt'}",
+                 "--source", f"b={corpus / 'b.jsonl'}", "--text-field", "body", "--tokenizer", "bpe:320",
+                 "--out", str(out), "--no-progress", *extra])
+
+
+def test_round_trip_text_tokens_text(corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert _prepare_cli(corpus, out) == 0
+    assert "a: 3 documents" in capsys.readouterr().out
+    store = open_store(str(out), verify=True)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for name, docs in (("a", DOCS_A), ("b", DOCS_B)):
+        src = store.sources[name]
+        assert src.n_docs == len(docs) and src.tokens.dtype == np.uint16
+        assert [tok.decode(src.document(i).tolist(), skip_special_tokens=False) for i in range(src.n_docs)] == docs
+        assert (src.tokens[src.doc_offsets[1:] - 1] == store.eos_id).all()  # EOS closes every document
+    # bytes per token counts every text byte exactly once (byte-level BPE)
+    m = json.loads((out / "manifest.json").read_text())
+    for name in ("a", "b"):
+        n_bytes = int(store.bytes_per_token[np.asarray(store.sources[name].tokens)].sum())
+        assert n_bytes == m["sources"][name]["text_bytes"]
+    assert m["sources"]["a"]["sha256"]["tokens.npy"] == sha256_file(out / "a" / "tokens.npy")
+    # a tokenizer.json spec reproduces the same ids; no temporary directory is left beside the store
+    again = prepare({"b": [str(corpus / "b.jsonl")]}, str(out / "tokenizer.json"), str(tmp_path / "s2"),
+                    ReadOptions(text_field="body"), progress=False)
+    assert again["tokenizer"]["vocab_size"] == store.vocab_size
+    np.testing.assert_array_equal(open_store(str(tmp_path / "s2")).sources["b"].tokens, store.sources["b"].tokens)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "s2", "store"]
+
+
+def test_text_split_directory_and_overwrite(corpus, tmp_path):
+    out = tmp_path / "s"
+    prepare({"t": [str(corpus)]}, "bpe:300", str(out), ReadOptions(text_field="body", split="paragraph"),
+            progress=False)
+    # directory: 3 .txt files (the third splits into 2 paragraphs) + 3 JSONL lines
+    assert open_store(str(out)).sources["t"].n_docs == 3 + 1 + 3
+    assert main(["data", "prepare", "--source", f"t={corpus / 'a0.txt'}", "--tokenizer", "bpe:300",
+                 "--out", str(out), "--no-progress", "--overwrite"]) == 0
+    assert open_store(str(out)).sources["t"].n_docs == 1
+
+
+def test_data_check_uses_the_store_end_to_end(corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert _prepare_cli(corpus, out) == 0
+    assert main(["data", "check", "--set", f"data.store={out}", "--set", "train.seq_len=8", "--set",
+                 "data.heldout_fraction=0.34", "--set", "data.weights=a=1,b=3", "--verify"]) == 0
+    assert "first batch: 16 x 8 tokens" in capsys.readouterr().out
+
+
+def _corrupt_ids(store: Path):
+    toks = np.load(store / "a" / "tokens.npy")
+    toks[3] = 5000
+    np.save(store / "a" / "tokens.npy", toks)
+    m = json.loads((store / "manifest.json").read_text())
+    m["sources"]["a"]["sha256"]["tokens.npy"] = sha256_file(store / "a" / "tokens.npy")
+    (store / "manifest.json").write_text(json.dumps(m))
+
+
+BAD_PREPARE = [  # (files to write, --source value, extra args, words expected in the error)
+    ({}, "a=MISSING.txt", [], "MISSING.txt: no such file or directory"),
+    ({"e.txt": b""}, "a=e.txt", [], "e.txt: file is empty"),
+    ({"w.txt": b"ok \xff\xfe bad"}, "a=w.txt", [], "w.txt: invalid UTF-8 at byte 3"),
+    ({"j.jsonl": b'{"text": "fine"}\n{"txt": "oops"}\n'}, "a=j.jsonl", [], "j.jsonl: line 2 has no 'text' field"),
+    ({"j.jsonl": b'{"text": "fine"}\nnot json\n'}, "a=j.jsonl", [], "j.jsonl: line 2 is not valid JSON"),
+    ({"p.parquet": b"PAR1"}, "a=p.parquet", [], "p.parquet"),
+    ({"x.csv": b"a,b"}, "a=x.csv", [], "unknown file type"),
+    ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'"),
+    ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "llama3"], "pip install moejax[llama]"),
+    ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "nope.json"], "tokenizer file nope.json does not exist"),
+    ({"t.txt": b"hi"}, "bad name=t.txt", [], "--source name 'bad name'"),
+]
+
+
+@pytest.mark.parametrize("files, source, extra, words", BAD_PREPARE)
+def test_prepare_errors_are_one_line_exit_2_and_leave_nothing(files, source, extra, words, tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name, data in files.items():
+        Path(name).write_bytes(data)
+    before = set(Path(".").iterdir())
+    tok = [] if "--tokenizer" in extra else ["--tokenizer", "bpe:300"]
+    assert main(["data", "prepare", "--source", source, "--out", "store", "--no-progress", *tok, *extra]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and err.startswith("moejax: error: "), err
+    assert set(Path(".").iterdir()) == before  # no store, no hidden temporary directory
+
+
+def test_invalid_utf8_replace_is_opt_in(tmp_path):
+    (tmp_path / "w.txt").write_bytes(b"ok \xff bad")
+    prepare({"a": [str(tmp_path / "w.txt")]}, "bpe:300", str(tmp_path / "s"), ReadOptions(utf8_errors="replace"),
+            progress=False)
+    s = open_store(str(tmp_path / "s"))
+    tok = Tokenizer.from_file(str(tmp_path / "s" / "tokenizer.json"))
+    assert tok.decode(s.sources["a"].document(0).tolist()) == "ok \ufffd bad"
+
+
+def test_parquet_source(tmp_path):
+    pa = pytest.importorskip("pyarrow")  # optional: pip install pyarrow==26.0.1
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["parquet doc", "", "two ✓"], "n": [1, 2, 3]}), tmp_path / "p.parquet")
+    m = prepare({"p": [str(tmp_path / "p.parquet")]}, "bpe:300", str(tmp_path / "s"), ReadOptions(text_field="content"),
+                progress=False)
+    assert (m["sources"]["p"]["documents"], m["sources"]["p"]["skipped_empty"]) == (2, 1)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["model.vocab_size=100"], "(320 ids) but model.vocab_size is 100"),
+    (["data.weights=a=0"], "data.weights: 'a' has 0.0; every value must be a finite number > 0"),
+    (["data.weights=a=1,zz=2"], "data.weights names 'zz', not in the store (sources: a, b)"),
+    (["data.max_epochs=b=-2"], "data.max_epochs: 'b' has -2.0"),
+    (["STORE=nowhere"], "is not a token store (no manifest.json)"),
+    (["--verify"], "token id 5000 is out of range for the tokenizer's vocabulary of 320"),
+])
+def test_check_errors_are_one_line_exit_2(sets, words, corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert _prepare_cli(corpus, out) == 0
+    assert json.loads((out / "manifest.json").read_text())["tokenizer"]["vocab_size"] == 320
+    capsys.readouterr()
+    store = str(tmp_path / "nowhere") if sets == ["STORE=nowhere"] else str(out)
+    argv = ["data", "check", "--set", f"data.store={store}", "--set", "train.seq_len=16",
+            "--set", "data.heldout_fraction=0.34"]
+    if sets == ["--verify"]:
+        _corrupt_ids(out)
+        argv.append("--verify")
+    else:
+        argv += [a for s in sets if not s.startswith("STORE") for a in ("--set", s)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+
+
+def test_kjv_prepared_by_the_cli_matches_the_embedded_default(tmp_path):
+    from moejax.data.pipeline import kjv_store
+
+    prepare({"kjv": ["builtin:kjv"]}, "bpe:2048", str(tmp_path / "kjv"), progress=False)
+    disk, embedded = open_store(str(tmp_path / "kjv")), kjv_store(2048)
+    np.testing.assert_array_equal(disk.sources["kjv"].doc_offsets, embedded.sources["kjv"].doc_offsets)
+    np.testing.assert_array_equal(disk.sources["kjv"].tokens, embedded.sources["kjv"].tokens)
+    np.testing.assert_array_equal(disk.bytes_per_token, embedded.bytes_per_token)
