@@ -42,10 +42,54 @@ def _resolve(args):
     return cfg
 
 
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """A TCP probe before jax.distributed: an unreachable coordinator makes XLA abort the process with a
+    stack trace instead of raising, so we fail first with one line naming the address and the timeout."""
+    import socket
+    import time
+
+    from moejax.train.loop import RunError
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise RunError(f"--coordinator {address!r} is not HOST:PORT")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RunError(f"coordinator {address} did not answer within {timeout_s}s ({e.strerror or e}); "
+                               "is process 0 running and reachable?") from None
+            time.sleep(0.5)
+
+
+def _init_distributed(args) -> None:
+    """Multi-controller JAX: one process per host, all running the same command (docs/LAUNCH.md).
+    Flags win; otherwise JAX's own cluster detection (SLURM, Kubernetes, ...) when --distributed is set."""
+    if not (args.coordinator or args.distributed):
+        return
+    import jax
+
+    from moejax.train.loop import RunError
+
+    if args.coordinator and args.process_id:  # process 0 hosts the coordinator; the others wait for it
+        _wait_for_coordinator(args.coordinator, args.dist_timeout)
+    try:
+        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id, initialization_timeout=args.dist_timeout)
+    except Exception as e:  # jax raises RuntimeError/XlaRuntimeError with multi-line text
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunError(f"jax.distributed.initialize failed (coordinator {args.coordinator}, "
+                       f"{args.num_processes} processes, id {args.process_id}, timeout {args.dist_timeout}s): {first}")
+
+
 def _cmd_train(args) -> int:
     from moejax.train.loop import RunOptions, train
 
     cfg = _resolve(args)
+    _init_distributed(args)
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat,
                       init_from=args.init_from or "")
@@ -91,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--peak-flops", type=float, default=0.0, help="FLOP/s for MFU (default: measure fp32 matmul)")
     t.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--coordinator", metavar="HOST:PORT", help="jax.distributed coordinator (process 0's address)")
+    t.add_argument("--num-processes", type=int, help="number of processes (hosts) in the job")
+    t.add_argument("--process-id", type=int, help="this process's index in [0, num-processes)")
+    t.add_argument("--distributed", action="store_true", help="jax.distributed with cluster auto-detection")
+    t.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for the coordinator")
     t.set_defaults(fn=_cmd_train)
 
     s = sub.add_parser("summary", help="print the summary of a finished run")
@@ -114,18 +163,22 @@ def _ensure_host_devices(args) -> None:
     if getattr(args, "mesh", None) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         import math
 
-        n = math.prod(parse_mesh(args.mesh).values())
+        n = math.prod(parse_mesh(args.mesh).values()) // max(1, getattr(args, "num_processes", None) or 1)
         if n > 1 and "jax" not in sys.modules:
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # Before anything imports jax: subcommand modules may, and the device count is fixed at import.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--mesh")
+    pre.add_argument("--num-processes", type=int)
     try:
-        _ensure_host_devices(args)
+        _ensure_host_devices(pre.parse_known_args(argv)[0])
     except ConfigError as e:
         print(f"moejax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    args = build_parser().parse_args(argv)
     from moejax.train.loop import Preempted, RunError
 
     try:

@@ -15,19 +15,23 @@ import numpy as np
 
 
 class MetricsWriter:
+    """Writes on the primary process only (multi-host runs log once); elsewhere every call is a no-op."""
+
     def __init__(self, run_dir: Path, *, wandb_mode: str = "offline", project: str = "moejax",
-                 run_name: str | None = None, config: dict | None = None):
+                 run_name: str | None = None, config: dict | None = None, primary: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "a", encoding="utf-8") if primary else None
         self._wandb = None
         mode = os.environ.get("WANDB_MODE", wandb_mode)
-        if mode != "disabled":
+        if primary and mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode,
                                      config=config, resume="allow", reinit=True)
 
     def log(self, step: int, metrics: dict) -> None:
+        if self._f is None:
+            return
         row = {"step": int(step), **{k: to_py(v) for k, v in metrics.items()}}
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
@@ -35,7 +39,8 @@ class MetricsWriter:
             self._wandb.log({k: v for k, v in row.items() if not isinstance(v, list)}, step=int(step))
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         if self._wandb is not None:
             self._wandb.finish()
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 from tqdm import tqdm
@@ -75,9 +77,16 @@ def make_optimizer(cfg: RunConfig):
     return optax.adam(lr, b1=t.b1, b2=t.b2, eps=t.eps), lr
 
 
-def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool) -> bool:
-    """Create the run dir and its config.json; True when it already holds this run (resume)."""
+def _primary() -> bool:
+    return jax.process_index() == 0
+
+
+def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: bool = True) -> bool:
+    """Create the run dir and its config.json; True when it already holds this run (resume).
+    Only the primary process writes; the others only read what is there."""
     cfg_path = run_dir / "config.json"
+    if not primary:
+        return cfg_path.exists() and not overwrite
     if cfg_path.exists() and not overwrite:
         try:
             old = json.loads(cfg_path.read_text())
@@ -139,9 +148,11 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
     run_dir = Path(run_dir)
     data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
     try:
-        resuming = prepare_run_dir(run_dir, cfg, opts.overwrite)
+        resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
         peak = opts.peak_flops or measure_matmul_peak()
-        _atomic_write(run_dir / "run_info.json", json.dumps({**run_info(cfg, peak), "data": data.describe()}, indent=2))
+        if _primary():
+            info = {**run_info(cfg, peak), "data": data.describe()}
+            _atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2))
         return _train_loop(cfg, run_dir, opts, data, resuming, peak)
     finally:
         data.close()
@@ -168,14 +179,15 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     routed = routed_backend(cfg.parallel, mesh)
     batch_sh = batch_sharding(mesh)
     step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat, offload=offload),
-                      donate_argnums=0, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
+                      donate_argnums=0, in_shardings=(state_sh, batch_sh),
+                      out_shardings=(state_sh, NamedSharding(mesh, P())))  # metrics replicated: any host reads them
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
     to_global = lambda b: jax.make_array_from_process_local_data(batch_sh, b)  # this process's rows only
 
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project, run_name=run_dir.name,
-                           config=cfg.to_dict())
+                           config=cfg.to_dict(), primary=_primary())
     fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
@@ -221,7 +233,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     if not history:  # the run had already finished: report it again
         return json.loads((run_dir / "summary.json").read_text())
     summary = summarize(history, time.perf_counter() - t_start, cfg)
-    _atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
+    if _primary():
+        _atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
