@@ -1,5 +1,128 @@
-"""Subcommands of this package (registered into `moejax` by `register`)."""
+"""Subcommands of this package (registered into `moejax` by `register`).
+
+  moejax ladder plan [--json]                          rungs d768…d2048 + hero, every number with its formula
+  moejax ladder run --scale cpu --out DIR [--widths 32,48] [--steps N]   the CPU micro-ladder (resumable)
+  moejax ladder fit DIR [--target-flops X] [--json]    L(C) = E + A*C^-alpha, projection, anomalies, PNG plots
+  moejax plan PRESET [--cluster C] [--mfu 0.225] [--json] [--lower]   devices, memory, transport, time
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moejax.config import ConfigError
+
+EXIT_DOES_NOT_FIT = 1
+
+
+def _cmd_ladder_plan(args) -> int:
+    from moejax.ladder.rungs import format_ladder_plan, ladder_plan
+
+    p = ladder_plan()
+    print(json.dumps(p, indent=2) if args.json else format_ladder_plan(p))
+    return 0
+
+
+def _parse_widths(text: str | None):
+    if not text:
+        return None
+    try:
+        return [int(w) for w in text.split(",") if w.strip()]
+    except ValueError:
+        raise ConfigError(f"--widths {text!r} is not a comma-separated list of integers") from None
+
+
+def _cmd_ladder_run(args) -> int:
+    from moejax.ladder.micro import MICRO_SHAPES, micro_rung, run_micro_ladder
+
+    if args.scale != "cpu":
+        raise ConfigError(f"--scale {args.scale!r}: only 'cpu' runs from this command; launch the production "
+                          "rungs with `moejax train --preset d768` etc. (docs/LAUNCH.md)")
+    widths = _parse_widths(args.widths) or sorted(MICRO_SHAPES)
+    for d in widths:
+        micro_rung(d)  # validates the width before anything runs
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps ({args.steps}) must be >= 1")
+    rows = run_micro_ladder(Path(args.out), widths, args.steps)
+    print(f"{len(rows)} rungs in {Path(args.out) / 'results.csv'}; next: moejax ladder fit {args.out}")
+    return 0
+
+
+def _cmd_ladder_fit(args) -> int:
+    from moejax.ladder.fit import fit_ladder, format_fit, plot_ladder
+    from moejax.ladder.micro import read_results
+    from moejax.ladder.rungs import hero_train_flops
+
+    out = Path(args.dir)
+    rows = read_results(out)
+    if not rows:
+        raise ConfigError(f"no results.csv (or no rows) in {out}; run `moejax ladder run --scale cpu --out {out}`")
+    target = args.target_flops if args.target_flops is not None else hero_train_flops()
+    if not target > 0:
+        raise ConfigError(f"--target-flops ({target}) must be positive")
+    res = fit_ladder(rows, target, args.loss)
+    runs = {r["name"]: out / r["name"] for r in rows}
+    res["plots"] = [] if args.no_plots else plot_ladder(rows, res, out, runs)
+    print(json.dumps(res, indent=2) if args.json else format_fit(res) +
+          "".join(f"\n  plot {p}" for p in res["plots"]))
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from moejax.config import preset
+    from moejax.plan import CLUSTERS, format_plan, plan
+
+    if args.cluster not in CLUSTERS:
+        raise ConfigError(f"unknown --cluster {args.cluster!r} (known: {', '.join(CLUSTERS)})")
+    cfg = preset(args.preset)
+    r = plan(cfg, CLUSTERS[args.cluster], args.mfu)
+    if args.lower:
+        from moejax.ladder.lower import lower_in_subprocess
+
+        r["lower"] = lower_in_subprocess(args.preset)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(format_plan(r))
+        if args.lower:
+            from moejax.ladder.lower import format_lower
+
+            print(format_lower(r["lower"]))
+    return 0 if r["fits_hbm"] and r["fits_host"] else EXIT_DOES_NOT_FIT
 
 
 def register(sub) -> None:
     """Add this package's subparsers to the `moejax` command."""
+    from moejax.config import PRESET_NAMES
+    from moejax.plan import DEFAULT_CLUSTER, DEFAULT_MFU
+
+    lad = sub.add_parser("ladder", help="scaling ladder: plan, CPU micro-ladder, fit")
+    lsub = lad.add_subparsers(dest="ladder_cmd", required=True)
+    p = lsub.add_parser("plan", help="every rung's derived numbers and its share of the hero's compute")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_cmd_ladder_plan)
+
+    r = lsub.add_parser("run", help="train the micro-ladder (resumable; rungs in results.csv are skipped)")
+    r.add_argument("--scale", default="cpu", help="'cpu': the micro-ladder of tiny widths")
+    r.add_argument("--out", required=True, help="directory for results.csv and one run dir per rung")
+    r.add_argument("--widths", help="comma-separated subset of the micro widths (default: all)")
+    r.add_argument("--steps", type=int, help="override every rung's step count (smoke tests)")
+    r.set_defaults(fn=_cmd_ladder_run)
+
+    f = lsub.add_parser("fit", help="fit L(C) = E + A*C^-alpha, project, flag anomalies, plot")
+    f.add_argument("dir")
+    f.add_argument("--target-flops", type=float, help="compute to project to (default: the hero's training FLOPs)")
+    f.add_argument("--loss", default="eval_loss", choices=["eval_loss", "final_loss"],
+                   help="eval_loss (held-out, several batches; default) or final_loss (last train batch)")
+    f.add_argument("--json", action="store_true")
+    f.add_argument("--no-plots", action="store_true")
+    f.set_defaults(fn=_cmd_ladder_fit)
+
+    pl = sub.add_parser("plan", help="devices, mesh, memory, transport and time of a preset on a cluster")
+    pl.add_argument("preset", help=f"one of {', '.join(PRESET_NAMES)}")
+    pl.add_argument("--cluster", default=DEFAULT_CLUSTER, help="gb200-nvl72x11 | h100x8 | h200x1")
+    pl.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation for the step time")
+    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--lower", action="store_true", help="lower (no compile, no run) the train step on the mesh")
+    pl.set_defaults(fn=_cmd_plan)
