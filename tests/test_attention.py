@@ -113,3 +113,17 @@ def test_xsa_output_is_orthogonal_to_own_value():
     assert float(jnp.max(jnp.abs(out[:, 0]))) < 1e-5
     cos = jnp.sum(out * v, -1)[:, 1:] / (jnp.linalg.norm(out, axis=-1) * jnp.linalg.norm(v, axis=-1))[:, 1:]
     assert float(jnp.max(jnp.abs(cos))) < 1e-4
+
+
+def test_blockwise_attention_equals_dense_values_and_grads():
+    from dataclasses import replace
+
+    cfg, p, x = _attn_setup(seq=16)
+    seg = jnp.asarray([[1] * 5 + [2] * 9 + [0] * 2])
+    pos = jnp.asarray([list(range(5)) + list(range(9)) + [0, 0]])
+    blk = replace(cfg, attn_q_block=4)
+    for is_global in (False, True):
+        f = lambda c, x: jnp.sum(jnp.sin(attention(p, x, seg, pos, is_global, c)))
+        (v_d, g_d), (v_b, g_b) = (jax.value_and_grad(f, argnums=1)(c, x) for c in (cfg, blk))
+        np.testing.assert_allclose(v_b, v_d, rtol=1e-5)
+        np.testing.assert_allclose(g_b, g_d, rtol=1e-5, atol=FP32_ATOL)

@@ -70,6 +70,7 @@ class ModelConfig:
     init_scale: float = 0.5  # sigma = init_scale / sqrt(d_model)
     compute_dtype: str = "bfloat16"
     loss_vocab_block: int = 0  # >0: stream the LM head over vocab blocks of this size
+    attn_q_block: int = 0  # >0: attention over query blocks of this size (no [S, S] scores at once)
 
     def __post_init__(self):
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads",
@@ -91,6 +92,7 @@ class ModelConfig:
         _require(self.compute_dtype in ("bfloat16", "float32"),
                  f"compute_dtype ({self.compute_dtype!r}) must be 'bfloat16' or 'float32'")
         _require(self.loss_vocab_block >= 0, f"loss_vocab_block ({self.loss_vocab_block}) must be >= 0")
+        _require(self.attn_q_block >= 0, f"attn_q_block ({self.attn_q_block}) must be >= 0")
 
     # ---- derived -------------------------------------------------------------------------------
     def is_global(self, layer: int) -> bool:
@@ -136,6 +138,7 @@ class TrainConfig:
     eval_every: int = 0  # 0: only at the end
     eval_batches: int = 4
     opt_state_memory: str = "device"  # "device" | "pinned_host": where fp32 master + optimizer state live
+    remat: bool = False  # rematerialise each block in the backward pass (the hero needs it for memory)
     checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
     temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept
 
@@ -277,6 +280,8 @@ class RunConfig:
 
     def __post_init__(self):
         m, t, p = self.model, self.train, self.parallel
+        _require(not m.attn_q_block or t.seq_len % m.attn_q_block == 0,
+                 f"seq_len ({t.seq_len}) is not divisible by model.attn_q_block ({m.attn_q_block})")
         _require(m.n_experts % p.expert == 0,
                  f"n_experts ({m.n_experts}) is not divisible by the expert axis ({p.expert})")
         _require(t.batch_size % p.batch_shards == 0,
@@ -352,11 +357,15 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
 
 # ---- presets -----------------------------------------------------------------------------------
 HERO_MODEL = ModelConfig()  # the defaults are the hero (SPEC §1)
+# Memory settings of the hero (moejax plan hero): stream the LM head over 16K-wide vocab blocks and
+# attention over 512-query blocks, remat every block. They change no value, only what is live at once.
+HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
 
 HERO = RunConfig(
     name="hero",
-    model=HERO_MODEL,
-    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host"),
+    model=replace(HERO_MODEL, **HERO_MEMORY),
+    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host",
+                      remat=True),
     parallel=ParallelConfig(replica_dcn=11, data=1, expert=64, model=1),
 )
 
@@ -369,7 +378,7 @@ LADDER_BATCH = 1024
 
 
 def ladder_model(d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
-    return replace(HERO_MODEL, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+    return replace(HERO_MODEL, **HERO_MEMORY, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                    n_kv_heads=max(1, n_heads // 4), n_kv_heads_global=max(1, n_heads // 8),
                    expert_width=d_model // 2, latent_width=d_model // 2, shared_width=d_model // 2)
 

@@ -142,7 +142,8 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None) 
     seqs = max(1, T // t.seq_len)
     kept = m.n_layers * T * d * dt  # block inputs saved for the backward (per-block remat)
     qkvo = T * (2 * m.q_dim + 2 * m.kv_dim) * dt
-    attn = seqs * m.n_heads * t.seq_len ** 2 * (4 + dt) + qkvo  # as implemented: dense scores + probs
+    q_rows = m.attn_q_block if m.attn_q_block and m.attn_q_block < t.seq_len else t.seq_len
+    attn = seqs * m.n_heads * q_rows * t.seq_len * (4 + dt) + qkvo  # live scores + probs of one query block
     if tr:
         moe = (2 * tr["waves"] * tr["bytes_per_wave"]  # dispatched rows (kept) + received rows
                + tr["expert_rows_per_wave"] * (m.latent_width + 3 * m.expert_width) * dt  # one wave's expert MLP
@@ -220,8 +221,8 @@ def format_plan(r: dict) -> str:
              f"  {'fp32 gradients':<40}{g(r['grads_fp32_bytes']):>14}  4 B x params per device, sharded like them",
              f"  {'activations (per-block remat, estimate)':<40}{g(r['activations_bytes']):>14}",
              f"    {'block inputs kept':<38}{g(r['block_inputs_bytes']):>14}  L x T x d x 2 B",
-             f"    {'attention working set':<38}{g(r['attention_bytes']):>14}  B x H x S^2 x (4+2) B dense scores "
-             f"+ q/k/v/o",
+             f"    {'attention working set':<38}{g(r['attention_bytes']):>14}  B x H x q_block x S x (4+2) B "
+             f"scores of one query block (model.attn_q_block; S if 0) + q/k/v/o",
              f"    {'MoE working set':<38}{g(r['moe_bytes']):>14}  2 x W x bytes/wave + one wave's expert MLP + z",
              f"    {'shared experts':<38}{g(r['shared_bytes']):>14}  T x 2 x 3 x width x 2 B",
              f"    {'router':<38}{g(r['router_bytes']):>14}  T x E x 4 B x 2",
@@ -229,7 +230,7 @@ def format_plan(r: dict) -> str:
              f"{r['lm_head_vocab']:,} x 4 B" + (" (vocab block)" if r["lm_head_streamed"] else " (set model.loss_vocab_block to stream it)"),
              f"  {'total HBM':<40}{g(r['hbm_needed']):>14}  of {g(r['hbm_per_device'])}",
              f"  {'(with flash attn + streamed loss)':<40}{g(r['hbm_needed_lean']):>14}  blockwise attention, "
-             f"loss_vocab_block={STREAM_BLOCK:,}: not what the preset runs today"]
+             f"loss_vocab_block={STREAM_BLOCK:,}: a fused kernel's floor"]
     tr = r["transport"]
     if tr:
         lines += ["transport (pooled waves, per device, per MoE layer)",

@@ -11,6 +11,8 @@ Hd head dim. Notable choices:
   layers only; positions restart at every document.
 - XSA: each head's output loses its component along the token's own value vector.
 - Head gate 2*sigmoid(x W_gate) per head, W_gate zero-initialised (gate = 1 at init).
+- `attn_q_block > 0` processes queries in blocks (rematerialised) so [S, S] scores never exist at once;
+  a fused flash kernel would also skip fully masked key blocks (not done: the window is not exploited).
 """
 
 from __future__ import annotations
@@ -58,15 +60,47 @@ def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: in
     return jnp.concatenate([rot.astype(x.dtype), x[..., rope_dim:]], axis=-1)
 
 
+def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B S"], q_pos: Int[Array, "Q"], window: int,
+               is_global) -> Bool[Array, "B 1 Q S"]:
+    """Causal, same-document, and (local layers) within `window` tokens (q - k < window) for queries at
+    sequence positions q_pos against all S keys."""
+    q = q_pos[:, None]
+    k = jnp.arange(seg_k.shape[1])[None, :]
+    allowed = (k <= q) & jnp.logical_or(is_global, q - k < window)
+    same_doc = seg_q[:, :, None] == seg_k[:, None, :]
+    return (allowed[None] & same_doc)[:, None]
+
+
 def attention_mask(segment_ids: Int[Array, "B S"], window: int, is_global) -> Bool[Array, "B 1 S S"]:
-    """Causal, same-document, and (local layers) within `window` tokens: q - k < window."""
-    seq = segment_ids.shape[1]
-    q_pos = jnp.arange(seq)[:, None]
-    k_pos = jnp.arange(seq)[None, :]
-    causal = k_pos <= q_pos
-    in_window = jnp.logical_or(is_global, q_pos - k_pos < window)
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return ((causal & in_window)[None] & same_doc)[:, None]
+    return block_mask(segment_ids, segment_ids, jnp.arange(segment_ids.shape[1]), window, is_global)
+
+
+def _attend(q, k_h, v_h, seg_q, seg_k, q_pos, is_global, cfg: ModelConfig):
+    """softmax(qk^T * scale + mask) v for one block of queries; fp32 scores and output."""
+    scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_h, preferred_element_type=jnp.float32) * scale
+    mask = block_mask(seg_q, seg_k, q_pos, cfg.window, is_global)
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v_h, preferred_element_type=jnp.float32)
+
+
+def _attend_blockwise(q, k_h, v_h, segment_ids, is_global, cfg: ModelConfig):
+    """Queries in blocks of `attn_q_block` (rematerialised one at a time): live scores are
+    [B, H, block, S] instead of [B, H, S, S]. Same values as the dense path."""
+    bsz, seq, heads, hd = q.shape
+    qb = cfg.attn_q_block
+    n_blocks = seq // qb
+    q_blocks = q.reshape(bsz, n_blocks, qb, heads, hd).swapaxes(0, 1)
+    seg_blocks = segment_ids.reshape(bsz, n_blocks, qb).swapaxes(0, 1)
+    pos_blocks = jnp.arange(seq).reshape(n_blocks, qb)
+
+    @jax.checkpoint
+    def one(xs):
+        q_blk, seg_blk, pos_blk = xs
+        return _attend(q_blk, k_h, v_h, seg_blk, segment_ids, pos_blk, is_global, cfg)
+
+    out = jax.lax.map(one, (q_blocks, seg_blocks, pos_blocks))  # [n_blocks, B, qb, H, Hd]
+    return out.swapaxes(0, 1).reshape(bsz, seq, heads, hd)
 
 
 def kv_head_map(cfg: ModelConfig, is_global) -> Int[Array, "H"]:
@@ -92,11 +126,12 @@ def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B
     head_map = kv_head_map(cfg, is_global)
     k_h, v_h = k[:, :, head_map], v[:, :, head_map]  # [B, S, H, Hd]
 
-    scale = cfg.qk_mult / np.sqrt(hd)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_h, preferred_element_type=jnp.float32) * scale
-    mask = attention_mask(segment_ids, cfg.window, is_global)
-    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dt), v_h, preferred_element_type=jnp.float32)
+    if cfg.attn_q_block and seq > cfg.attn_q_block:
+        if seq % cfg.attn_q_block:
+            raise ValueError(f"sequence length ({seq}) is not divisible by attn_q_block ({cfg.attn_q_block})")
+        out = _attend_blockwise(q, k_h, v_h, segment_ids, is_global, cfg)
+    else:
+        out = _attend(q, k_h, v_h, segment_ids, segment_ids, jnp.arange(seq), is_global, cfg)
 
     v32 = v_h.astype(jnp.float32)  # XSA: drop the component along the token's own value vector
     coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)

@@ -178,7 +178,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     routed = routed_backend(cfg.parallel, mesh)
     batch_sh = batch_sharding(mesh)
-    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat, offload=offload),
+    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat or t.remat, offload=offload),
                       donate_argnums=0, in_shardings=(state_sh, batch_sh),
                       out_shardings=(state_sh, NamedSharding(mesh, P())))  # metrics replicated: any host reads them
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
