@@ -52,3 +52,20 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("moejax: error: coordinator 127.0.0.1:") and "did not answer within 5s" in last
+
+
+def test_launcher_environment_fills_unset_flags(monkeypatch):
+    from moejax.cli import _distributed_from_env, build_parser
+
+    args = build_parser().parse_args(["train", "--run-dir", "x"])
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    _distributed_from_env(args)
+    assert args.coordinator is None and args.process_id is None  # no coordinator named: stays single-process
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "8476")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    _distributed_from_env(args)
+    assert (args.coordinator, args.num_processes, args.process_id) == ("node0:8476", 4, 3)
+    args = build_parser().parse_args(["train", "--run-dir", "x", "--process-id", "1"])
+    _distributed_from_env(args)
+    assert args.process_id == 1  # flags win

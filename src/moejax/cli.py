@@ -65,9 +65,28 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _env_first(*names: str) -> str | None:
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+def _distributed_from_env(args) -> None:
+    """Fill unset flags from the launcher's environment (docs/LAUNCH.md): only when a coordinator is named
+    there, so a stray RANK or SLURM_PROCID alone never turns a run multi-process."""
+    if args.coordinator is None:
+        addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        args.coordinator = _env_first("JAX_COORDINATOR_ADDRESS") or (f"{addr}:{port}" if addr and port else None)
+    if args.coordinator is None:
+        return
+    if args.num_processes is None and (n := _env_first("JAX_NUM_PROCESSES", "SLURM_NTASKS", "WORLD_SIZE")):
+        args.num_processes = int(n)
+    if args.process_id is None and (i := _env_first("JAX_PROCESS_ID", "SLURM_PROCID", "RANK")):
+        args.process_id = int(i)
+
+
 def _init_distributed(args) -> None:
     """Multi-controller JAX: one process per host, all running the same command (docs/LAUNCH.md).
-    Flags win; otherwise JAX's own cluster detection (SLURM, Kubernetes, ...) when --distributed is set."""
+    Flags win over the environment; --distributed alone uses JAX's own cluster auto-detection."""
+    _distributed_from_env(args)
     if not (args.coordinator or args.distributed):
         return
     import jax

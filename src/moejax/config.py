@@ -367,6 +367,9 @@ HERO = RunConfig(
     train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host",
                       remat=True),
     parallel=ParallelConfig(replica_dcn=11, data=1, expert=64, model=1),
+    # Seed: 4K -> 8K at 50%, 8K -> 65K at 95%, a 262K phase near the end, tokens per step fixed. The 262K
+    # phase has 176 sequences for 704 devices: it needs sequence parallelism, which moejax lacks so far.
+    data=DataConfig(context_schedule="0.5:8192,0.95:65536,0.99:262144"),
 )
 
 # Ladder rule (SPEC §5): head dim 128; KV heads local H//4, global max(1, H//8); expert width = latent =
