@@ -40,11 +40,11 @@ def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
 
 
 def test_short_training_run_and_different_run_refused(tmp_path):
-    run = tmp_path / "run"
-    args = ["train", "--preset", "tiny", "--run-dir", str(run), "--steps", "6", "--no-progress",
+    run = tmp_path / "run"  # passed relative to the working directory, as `make demo` does
+    args = ["train", "--preset", "tiny", "--run-dir", "run", "--steps", "6", "--no-progress",
             "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
-            "--peak-flops", "1e11"]
-    r = run_cli(*args)
+            "--set", "train.checkpoint_every=3", "--peak-flops", "1e11"]
+    r = run_cli(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(6))
@@ -55,12 +55,13 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     assert cfg["model"]["n_layers"] == 2
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
 
-    r = run_cli(*[a if a != "model.n_layers=2" else "model.n_layers=3" for a in args])
+    assert (run / "checkpoints" / "step_00000003" / "COMMITTED").exists()  # a mid-run save on a relative path
+    r = run_cli(*[a if a != "model.n_layers=2" else "model.n_layers=3" for a in args], cwd=tmp_path)
     assert r.returncode == 2
     assert "already holds a different run (model.n_layers: 2 there, 3 now)" in r.stderr
     assert "Traceback" not in r.stderr
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     assert after == before, "a refused run must not touch the existing run dir"
 
-    s = run_cli("summary", str(run))
+    s = run_cli("summary", "run", cwd=tmp_path)
     assert s.returncode == 0 and "train loss" in s.stdout

@@ -1,5 +1,5 @@
 """Training with expert parallelism on 8 forced CPU devices: tracks the single-device run, pinned-host state
-matches device state exactly, and a preempted EP run resumes on a different mesh."""
+matches device state exactly, a preempted EP run resumes bit-identically, and its checkpoint reshards."""
 
 import json
 from dataclasses import replace
@@ -11,7 +11,7 @@ import pytest
 from moejax.checkpoint import list_checkpoints, restore
 from moejax.config import ParallelConfig, apply_overrides, preset
 from moejax.parallel.mesh import make_mesh
-from moejax.train.loop import Preempted, RunOptions, make_optimizer, train
+from moejax.train.loop import Preempted, RunError, RunOptions, make_optimizer, prepare_run_dir, train
 from moejax.train.state import init_state
 
 OPTS = RunOptions(wandb="disabled", progress=False, peak_flops=1e11)
@@ -51,24 +51,39 @@ def test_pinned_host_state_equals_device_state(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_preempted_ep_run_resumes_on_another_mesh(tmp_path, monkeypatch):
+def test_preempted_ep_run_resumes_bit_identically_and_reshards(tmp_path, monkeypatch):
+    cfg = small(steps=4, data=2, expert=4)
+    train(cfg, tmp_path / "straight", OPTS)
     run = tmp_path / "run"
-    cfg_a = small(steps=6, data=2, expert=4)
-    monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "3")
+    monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "2")
     with pytest.raises(Preempted):
-        train(cfg_a, run, OPTS)
+        train(cfg, run, OPTS)
     monkeypatch.delenv("MOEJAX_FAULT_SIGTERM_AT_STEP")
     ckpt = [c for c in list_checkpoints(run) if c.complete][-1]
-    assert ckpt.step == 3
-    # The same checkpoint restores bit-identically onto expert=8 and onto a single device.
-    saved, _ = restore(ckpt.path, init_state(cfg_a, make_optimizer(cfg_a)[0], jax.random.key(0), make_mesh(cfg_a.parallel)))
+    assert ckpt.step == 2
+    saved, _ = restore(ckpt.path, init_state(cfg, make_optimizer(cfg)[0], jax.random.key(0), make_mesh(cfg.parallel)))
+
+    train(cfg, run, OPTS)  # the same call resumes on the same 8-device EP mesh: bit-identical
+    assert losses(run) == losses(tmp_path / "straight")
+    target = init_state(cfg, make_optimizer(cfg)[0], jax.random.key(0), make_mesh(cfg.parallel))
+    (a, _), (b, _) = (restore(list_checkpoints(d)[-1].path, target) for d in (tmp_path / "straight", run))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # The step-2 checkpoint restores bit-identically onto expert=8 and onto a single device.
     for par in (ParallelConfig(expert=8), ParallelConfig()):
-        cfg_b = replace(cfg_a, parallel=par)
-        target = init_state(cfg_b, make_optimizer(cfg_b)[0], jax.random.key(1), make_mesh(par))
-        got, meta = restore(ckpt.path, target)
-        assert meta["step"] == 3
+        other = replace(cfg, parallel=par)
+        got, meta = restore(ckpt.path, init_state(other, make_optimizer(other)[0], jax.random.key(1), make_mesh(par)))
+        assert meta["step"] == 2
         for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(got)):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    summary = train(replace(cfg_a, parallel=ParallelConfig(expert=8)), run, OPTS)  # resume on the new mesh
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(6))
-    assert summary["steps"] == 3  # only the remaining steps ran
+
+
+def test_a_run_dir_accepts_a_new_mesh_but_not_a_new_model(tmp_path):
+    run = tmp_path / "run"
+    cfg = small(data=2, expert=4)
+    assert prepare_run_dir(run, cfg, overwrite=False) is False
+    assert prepare_run_dir(run, replace(cfg, parallel=ParallelConfig(expert=8)), overwrite=False) is True
+    assert json.loads((run / "config.json").read_text())["parallel"]["expert"] == 8
+    with pytest.raises(RunError, match=r"already holds a different run \(model.n_layers: 2 there, 3 now\)"):
+        prepare_run_dir(run, apply_overrides(cfg, ["model.n_layers=3"]), overwrite=False)

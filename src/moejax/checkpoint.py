@@ -88,7 +88,7 @@ class CheckpointInfo:
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     """All step directories under `run_dir/checkpoints`, oldest first (complete or not)."""
-    ckdir = Path(run_dir) / "checkpoints"
+    ckdir = Path(run_dir).absolute() / "checkpoints"
     if not ckdir.is_dir():
         return []
     out = []
@@ -123,7 +123,7 @@ def ensure_writable(run_dir: str | os.PathLike) -> Path:
 
     Call before training starts so an unwritable run dir fails in seconds, not at the first save.
     """
-    ckdir = Path(run_dir) / "checkpoints"
+    ckdir = Path(run_dir).absolute() / "checkpoints"
     try:
         ckdir.mkdir(parents=True, exist_ok=True)
         probe = ckdir / f".write-probe-{os.getpid()}"
@@ -271,7 +271,7 @@ def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = N
     With `model_config`, the saved model config is checked first (`IncompatibleCheckpointError`).
     Any other failure is a one-line `CheckpointError` naming the directory.
     """
-    step_dir = Path(step_dir)
+    step_dir = Path(step_dir).absolute()  # orbax needs absolute paths
     if not (step_dir / MARKER).is_file():
         raise CheckpointError(f"{step_dir}: incomplete checkpoint (no {MARKER} marker)")
     meta = _read_metadata(step_dir)
@@ -339,7 +339,7 @@ class CheckpointManager:
             raise ValueError(f"permanent_every ({permanent_every}) must be positive")
         if temporary_every_s <= 0:
             raise ValueError(f"temporary_every_s ({temporary_every_s}) must be positive")
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).absolute()  # orbax needs absolute paths
         self.ckpt_dir = ensure_writable(run_dir)
         self.permanent_every = permanent_every
         self.temporary_every_s = temporary_every_s

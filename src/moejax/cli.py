@@ -110,6 +110,7 @@ def _cmd_train(args) -> int:
     cfg = _resolve(args)
     _init_distributed(args)
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
+                      wandb_run_name=args.wandb_run_name or "",
                       peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat,
                       init_from=args.init_from or "")
     summary = train(cfg, Path(args.run_dir), opts)
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-from", metavar="CKPT", help="start a new run from the weights of a checkpoint (or run) dir")
     t.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     t.add_argument("--wandb-project", default="moejax")
+    t.add_argument("--wandb-run-name", help="W&B run name (default: the run directory's name)")
     t.add_argument("--peak-flops", type=float, default=0.0, help="FLOP/s for MFU (default: measure fp32 matmul)")
     t.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
     t.add_argument("--no-progress", action="store_true")

@@ -27,7 +27,7 @@ class MetricsWriter:
             import wandb
 
             self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode,
-                                     config=config, resume="allow", reinit=True)
+                                     config=config, resume="allow", reinit="finish_previous")
 
     def log(self, step: int, metrics: dict) -> None:
         if self._f is None:

@@ -58,6 +58,7 @@ class RunOptions:
     overwrite: bool = False
     wandb: str = "offline"
     wandb_project: str = "moejax"
+    wandb_run_name: str = ""  # default: the run directory's name
     peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
     progress: bool = True
     remat: bool = False
@@ -65,16 +66,17 @@ class RunOptions:
 
 
 def make_optimizer(cfg: RunConfig):
-    """`adam`: optax Adam on every leaf at train.learning_rate. `hero`: MuonH/AdamH/Adam (SPEC §4) with
-    the fitted heuristic for lrs, eps and beta2 from (total tokens, width, tokens per batch)."""
+    """(optimizer, {group: lr schedule}). `adam`: optax Adam on every leaf at train.learning_rate.
+    `hero`: MuonH/AdamH/Adam (SPEC §4) with the fitted heuristic for the lrs, eps and beta2 from
+    (total tokens, width, tokens per batch); AdamH (LM head) runs at the Adam peak."""
     t = cfg.train
+    sched = lambda peak: warmup_linear_decay(peak, t.steps, t.warmup_fraction, t.min_lr_fraction)
     if t.optimizer == "hero":
         hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
         opt = hero_optimizer(adam_lr=hp.adam_lr, muonh_lr=hp.muonh_lr, b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
                              total_steps=t.steps, warmup_fraction=t.warmup_fraction, min_lr_fraction=t.min_lr_fraction)
-        return opt, warmup_linear_decay(hp.muonh_lr, t.steps, t.warmup_fraction, t.min_lr_fraction)
-    lr = warmup_linear_decay(t.learning_rate, t.steps, t.warmup_fraction, t.min_lr_fraction)
-    return optax.adam(lr, b1=t.b1, b2=t.b2, eps=t.eps), lr
+        return opt, {"muonh": sched(hp.muonh_lr), "adam": sched(hp.adam_lr)}
+    return optax.adam(sched(t.learning_rate), b1=t.b1, b2=t.b2, eps=t.eps), {"adam": sched(t.learning_rate)}
 
 
 def _primary() -> bool:
@@ -154,6 +156,8 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
             info = {**run_info(cfg, peak), "data": data.describe()}
             _atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2))
         return _train_loop(cfg, run_dir, opts, data, resuming, peak)
+    except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
+        raise RunError(str(e)) from None
     finally:
         data.close()
 
@@ -161,7 +165,7 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
 def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float) -> dict:
     m, t = cfg.model, cfg.train
     bpt = jnp.asarray(data.bytes_per_token)
-    optimizer, lr_fn = make_optimizer(cfg)
+    optimizer, lr_fns = make_optimizer(cfg)
     try:
         ckpt = CheckpointManager(run_dir, permanent_every=t.checkpoint_every,
                                  temporary_every_s=60.0 * t.temp_checkpoint_minutes,
@@ -178,7 +182,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     routed = routed_backend(cfg.parallel, mesh)
     batch_sh = batch_sharding(mesh)
-    step_fn = jax.jit(make_train_step(m, optimizer, lr_fn, routed, remat=opts.remat or t.remat, offload=offload),
+    step_fn = jax.jit(make_train_step(m, optimizer, lr_fns, routed, remat=opts.remat or t.remat, offload=offload),
                       donate_argnums=0, in_shardings=(state_sh, batch_sh),
                       out_shardings=(state_sh, NamedSharding(mesh, P())))  # metrics replicated: any host reads them
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
@@ -186,7 +190,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
     to_global = lambda b: jax.make_array_from_process_local_data(batch_sh, b)  # this process's rows only
 
-    writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project, run_name=run_dir.name,
+    writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project,
+                           run_name=opts.wandb_run_name or run_dir.name,
                            config=cfg.to_dict(), primary=_primary())
     fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",

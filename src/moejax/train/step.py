@@ -69,7 +69,7 @@ class Offload:
     opt_host: object
 
 
-def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fn: Callable,
+def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fns: dict[str, Callable],
                     routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None):
     layer_hook = qb_hook(cfg) if cfg.qb else None
 
@@ -89,7 +89,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
             "train/loss": loss,
             "train/cross_entropy_loss": aux["cross_entropy_loss"],
             "train/z_loss": aux["z_loss"],
-            "train/learning_rate": lr_fn(state.step),
+            "train/learning_rate": next(iter(lr_fns.values()))(state.step),  # the matrices' (first) group
+            **{f"train/learning_rate/{g}": fn(state.step) for g, fn in lr_fns.items()},
             "train/grad_norm": optax.global_norm(grads),
             "train/update_norm": optax.global_norm(updates),
             "train/param_norm": optax.global_norm(new_params),
