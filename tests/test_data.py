@@ -125,7 +125,7 @@ def test_invalid_utf8_replace_is_opt_in(tmp_path):
 
 
 def test_parquet_source(tmp_path):
-    pa = pytest.importorskip("pyarrow")  # optional: pip install pyarrow==26.0.1
+    import pyarrow as pa  # pinned dependency
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"content": ["parquet doc", "", "two ✓"], "n": [1, 2, 3]}), tmp_path / "p.parquet")
