@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import jax
@@ -162,9 +163,20 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
         data.close()
 
 
-def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float) -> dict:
+@dataclass
+class _Session:
+    """Everything the step loop needs, built once per (re)start."""
+
+    state: TrainState
+    step_fn: Callable
+    eval_fns: dict[str, Callable]
+    to_global: Callable  # this process's numpy rows -> a global array sharded over the batch axes
+    offload: Offload | None
+    ckpt: CheckpointManager
+
+
+def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool) -> _Session:
     m, t = cfg.model, cfg.train
-    bpt = jnp.asarray(data.bytes_per_token)
     optimizer, lr_fns = make_optimizer(cfg)
     try:
         ckpt = CheckpointManager(run_dir, permanent_every=t.checkpoint_every,
@@ -175,9 +187,6 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     mesh = make_mesh(cfg.parallel)
     state = init_state(cfg, optimizer, jax.random.key(t.seed), mesh)
     state = _initial_state(state, ckpt, resuming, opts.init_from, optimizer, dataclasses.asdict(m))
-    start = int(state.step)
-    if start:
-        _truncate_metrics(run_dir, start)
     state, offload = place_state(state, t.opt_state_memory)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     routed = routed_backend(cfg.parallel, mesh)
@@ -188,11 +197,27 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
-    to_global = lambda b: jax.make_array_from_process_local_data(batch_sh, b)  # this process's rows only
+    return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b),
+                    offload, ckpt)
 
+
+def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
+    params = s.state.params if s.offload is None else jax.device_put(s.state.params, s.offload.params_device)
+    bpt = jnp.asarray(data.bytes_per_token)
+    out = {}
+    for prefix, fn in s.eval_fns.items():
+        out.update(evaluate(fn, params, data.eval, n_batches, bpt, prefix, s.to_global))
+    return out
+
+
+def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float) -> dict:
+    t = cfg.train
+    s = _setup(cfg, run_dir, opts, resuming)
+    start = int(s.state.step)
+    if start:
+        _truncate_metrics(run_dir, start)
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project,
-                           run_name=opts.wandb_run_name or run_dir.name,
-                           config=cfg.to_dict(), primary=_primary())
+                           run_name=opts.wandb_run_name or run_dir.name, config=cfg.to_dict(), primary=_primary())
     fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
@@ -201,18 +226,13 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         with PreemptionGuard() as guard:
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
-                state, metrics = step_fn(state, to_global(data.train.batch(step)))
+                s.state, metrics = s.step_fn(s.state, s.to_global(data.train.batch(step)))
                 metrics = {k: to_py(v) for k, v in jax.device_get(metrics).items()}
-                dt = time.perf_counter() - t0
                 _check_finite(step, metrics, run_dir)
-                flops = 3.0 * accounting.fwd_flops_per_token(m, data.train.seq_len_at(step)) * t.tokens_per_step
-                metrics.update({"throughput/step_time": dt, "throughput/tokens_per_second": t.tokens_per_step / dt,
-                                "throughput/mfu": flops / dt / peak, "data/seq_len": data.train.seq_len_at(step)})
+                metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
                 last = step + 1 == t.steps
                 if last or (t.eval_every and (step + 1) % t.eval_every == 0):
-                    params = state.params if offload is None else jax.device_put(state.params, offload.params_device)
-                    for prefix, fn in eval_fns.items():
-                        metrics.update(evaluate(fn, params, data.eval, t.eval_batches, bpt, prefix, to_global))
+                    metrics.update(_eval_metrics(s, data, t.eval_batches))
                 if step % t.log_every == 0 or last:
                     writer.log(step, metrics)
                 history.append(metrics)
@@ -223,24 +243,30 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                 if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
                     os.kill(os.getpid(), signal.SIGTERM)
                 if guard.stop_requested():
-                    ckpt.save(step + 1, state, kind="temporary", extra_metadata={"data_step": step + 1})
-                    ckpt.wait()
+                    s.ckpt.save(step + 1, s.state, kind="temporary", extra_metadata={"data_step": step + 1})
+                    s.ckpt.wait()
                     raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
                                     "run the same command again to resume")
-                kind = None if last else ckpt.should_save(step + 1)
-                if kind:
-                    ckpt.save(step + 1, state, kind=kind, extra_metadata={"data_step": step + 1})
-            ckpt.save(int(state.step), state, kind="final", extra_metadata={"data_step": int(state.step)})
+                if not last and (kind := s.ckpt.should_save(step + 1)):
+                    s.ckpt.save(step + 1, s.state, kind=kind, extra_metadata={"data_step": step + 1})
+            s.ckpt.save(int(s.state.step), s.state, kind="final", extra_metadata={"data_step": int(s.state.step)})
     finally:
         bar.close()
         writer.close()
-        ckpt.close()
+        s.ckpt.close()
     if not history:  # the run had already finished: report it again
         return json.loads((run_dir / "summary.json").read_text())
     summary = summarize(history, time.perf_counter() - t_start, cfg)
     if _primary():
         _atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _throughput(cfg: RunConfig, seq_len: int, seconds: float, peak: float) -> dict:
+    tokens = cfg.train.tokens_per_step
+    flops = 3.0 * accounting.fwd_flops_per_token(cfg.model, seq_len) * tokens
+    return {"throughput/step_time": seconds, "throughput/tokens_per_second": tokens / seconds,
+            "throughput/mfu": flops / seconds / peak, "data/seq_len": seq_len}
 
 
 def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, init_from: str, optimizer,
