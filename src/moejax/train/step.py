@@ -91,9 +91,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
             "train/z_loss": aux["z_loss"],
             "train/learning_rate": next(iter(lr_fns.values()))(state.step),  # the matrices' (first) group
             **{f"train/learning_rate/{g}": fn(state.step) for g, fn in lr_fns.items()},
-            "train/grad_norm": optax.global_norm(grads),
-            "train/update_norm": optax.global_norm(updates),
-            "train/param_norm": optax.global_norm(new_params),
+            "train/grad_norm": optax.tree.norm(grads),
+            "train/update_norm": optax.tree.norm(updates),
+            "train/param_norm": optax.tree.norm(new_params),
             "train/tokens": aux["tokens"],
             "train/router/load": layers["load"],
             **moe_metrics(layers, cfg.n_layers),
