@@ -30,6 +30,8 @@ def test_count_json_hero(capsys):
     (["count", "nope"], "unknown preset 'nope'"),
     (["train", "--preset", "tiny", "--run-dir", "RUN", "--set", "model.n_heads=5"], "n_heads (5)"),
     (["train", "--preset", "tiny", "--run-dir", "RUN", "--set", "model.top_k=16"], "top_k (16)"),
+    (["train", "--preset", "tiny", "--run-dir", "RUN", "--init-from", "RUN-missing"], "no such checkpoint or run"),
+    (["train", "--preset", "hero", "--run-dir", "RUN"], "needs 704 devices, but only 8 are present"),
 ])
 def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
     argv = [a.replace("RUN", str(tmp_path / "r")) for a in argv]

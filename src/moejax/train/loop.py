@@ -149,6 +149,9 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
     """Train (or resume) the run in `run_dir`; returns the summary. Raises RunError/ConfigError for user
     errors, Preempted after SIGTERM/SIGINT (a temporary checkpoint is then on disk)."""
     run_dir = Path(run_dir)
+    make_mesh(cfg.parallel)  # fail on a mesh larger than the machine before any data work
+    if opts.init_from and not Path(opts.init_from).is_dir():
+        raise RunError(f"--init-from {opts.init_from}: no such checkpoint or run directory")
     data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
     try:
         resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
