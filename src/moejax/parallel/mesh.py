@@ -76,3 +76,19 @@ def mirror_shardings(tree, params, params_sharding, mesh: Mesh):
         return by_path[best][1] if best else NamedSharding(mesh, REPLICATED)
 
     return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def under_gspmd(fn, like: jax.Array, *args, out_spec: P | None = None):
+    """fn(*args) with GSPMD choosing every intermediate sharding, also on Explicit mesh axes (where a
+    scatter from sharded indices or a product of differently sharded arrays fails at trace time).
+    The output is sharded like `like`, or by `out_spec`. With no Explicit axes it is just fn(*args)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    if mesh.empty:  # no mesh context: take the mesh the (explicitly typed) array carries, if any
+        mesh = getattr(sharding, "mesh", mesh)
+    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
+    if not explicit:
+        return fn(*args)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_spec if out_spec is not None
+                                      else sharding.spec)(*args)

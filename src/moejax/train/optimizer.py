@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType
 
+from moejax.parallel.mesh import under_gspmd
 from moejax.train.schedule import warmup_linear_decay
 
 MUONH_FIELDS = frozenset({
@@ -89,19 +89,6 @@ def _weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: leaf_name(path) in WEIGHT_DECAY_FIELDS, params)
 
 
-def _sharded_like(fn, like: jax.Array, *args):
-    """fn(*args) with GSPMD free inside, output sharded like `like`, also on Explicit mesh axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sharding = getattr(jax.typeof(like), "sharding", None)
-    if mesh.empty:  # no mesh context: take the mesh the (explicitly typed) array carries, if any
-        mesh = getattr(sharding, "mesh", mesh)
-    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
-    if not explicit:
-        return fn(*args)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=sharding.spec)(*args)
-
-
 def newton_schulz(x: jax.Array, ns_steps: int = 5) -> jax.Array:
     """Approximate orthogonalisation U V^T of each matrix over the last two dims, iterated in bf16.
 
@@ -140,7 +127,7 @@ def scale_by_newton_schulz(ns_steps: int = 5) -> optax.GradientTransformation:
         def direction(u):
             return _shape_scale(u) * newton_schulz(u, ns_steps)
 
-        return jax.tree.map(lambda u: _sharded_like(direction, u, u), updates), state
+        return jax.tree.map(lambda u: under_gspmd(direction, u, u), updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -173,7 +160,7 @@ def scale_by_hyperball(learning_rate: optax.ScalarOrSchedule) -> optax.GradientT
         if params is None:
             raise ValueError("the hyperball step needs the current params: call update(grads, state, params)")
         lr = jnp.asarray(schedule(state.count), jnp.float32)
-        deltas = jax.tree.map(lambda u, w: _sharded_like(hyperball_delta, w, u, w, lr), updates, params)
+        deltas = jax.tree.map(lambda u, w: under_gspmd(hyperball_delta, w, u, w, lr), updates, params)
         return deltas, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -21,20 +21,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
 
-
-def _replicated_under_gspmd(fn, x, *args):
-    """fn(x, *args) with GSPMD choosing every intermediate sharding, also on Explicit mesh axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:  # no mesh context: take the mesh the (explicitly typed) input carries, if any
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", mesh)
-    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
-    if not explicit:
-        return fn(x, *args)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=P())(x, *args)
+from moejax.parallel.mesh import under_gspmd
 
 
 def _target_count(mask_T: Bool[Array, "T"], top_k: int, num_experts: int) -> Float[Array, ""]:
@@ -54,8 +44,9 @@ def qb_threshold(margins_TE: Float[Array, "T E"], mask_T: Bool[Array, "T"], top_
     """Histogram estimate of beta_e: the value that n = T_valid*K/E valid tokens' margins exceed."""
     if n_bins < 1:
         raise ValueError(f"n_bins ({n_bins}) must be at least 1")
-    return _replicated_under_gspmd(lambda m, k: _histogram_threshold(m, k, top_k, n_bins),
-                                   jnp.asarray(margins_TE), jnp.asarray(mask_T))
+    margins_TE = jnp.asarray(margins_TE)
+    return under_gspmd(lambda m, k: _histogram_threshold(m, k, top_k, n_bins), margins_TE, margins_TE,
+                       jnp.asarray(mask_T), out_spec=P())
 
 
 def _histogram_threshold(margins_TE, mask_T, top_k: int, n_bins: int):
@@ -98,8 +89,9 @@ def qb_threshold_exact(margins_TE: Float[Array, "T E"], mask_T: Bool[Array, "T"]
 
     The histogram estimate lies in the same bin as this value, so they differ by at most one bin width.
     """
-    return _replicated_under_gspmd(lambda m, k: _sorted_threshold(m, k, top_k),
-                                   jnp.asarray(margins_TE), jnp.asarray(mask_T))
+    margins_TE = jnp.asarray(margins_TE)
+    return under_gspmd(lambda m, k: _sorted_threshold(m, k, top_k), margins_TE, margins_TE, jnp.asarray(mask_T),
+                       out_spec=P())
 
 
 def _sorted_threshold(margins_TE, mask_T, top_k: int):
