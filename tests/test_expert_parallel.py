@@ -261,3 +261,26 @@ def test_gradient_has_no_scatter(inputs):
     compiled = lowered.compile().as_text()  # its metadata names this test, so match the HLO opcode
     assert re.search(r"\sall-to-all\(", compiled)
     assert not re.search(r"\sscatter\(", compiled)
+
+
+def test_fewer_documents_per_shard_drop_more():
+    """SPEC §6: capacity tuned on many short documents does not transfer to long context. Routing is
+    correlated within a document (each document prefers its own experts); with the same tokens per shard
+    and the same cf, one long document per shard concentrates the load and drops more."""
+    n_tok, n_exp, top_k, shards = 512, 32, 4, 8
+    per_shard = n_tok // shards
+    mesh = make_mesh(shards, 1)
+    args = make_inputs(seed=3, n_tok=n_tok, n_exp=n_exp, top_k=top_k)
+    rng = np.random.default_rng(0)
+
+    def drop_fraction(doc_len: int) -> float:
+        docs = np.arange(n_tok) // doc_len
+        prefs = np.stack([rng.permutation(n_exp)[:2 * top_k] for _ in range(docs.max() + 1)])  # per document
+        pick = np.stack([rng.permutation(2 * top_k)[:top_k] for _ in range(n_tok)])
+        expert = jnp.asarray(np.take_along_axis(prefs[docs], pick, axis=1), jnp.int32)
+        inputs = shard(mesh, [args[0], expert, args[2], jnp.ones((n_tok,), bool), *args[4:]])
+        _, stats = jax.jit(lambda *a: routed_expert_parallel(*a, mesh=mesh, cf_send=1.15, cf_recv=1.15))(*inputs)
+        return (int(stats["sender_dropped"]) + int(stats["receiver_dropped"])) / int(stats["valid"])
+
+    short, long = drop_fraction(doc_len=4), drop_fraction(doc_len=per_shard)
+    assert long > short + 0.1, (short, long)
