@@ -38,7 +38,10 @@ def abstract_train_inputs(cfg, mesh):
     key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     m, t = cfg.model, cfg.train
     state = TrainState(step=sds(jax.ShapeDtypeStruct((), jnp.int32), rep),
-                       params=jax.tree.map(sds, params, params_sh), opt_state=jax.tree.map(sds, opt, opt_sh),
+                       params=jax.tree.map(sds, params, params_sh),
+                       compute=jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, jnp.dtype(m.compute_dtype),
+                                                                               sharding=sh), params, params_sh),
+                       opt_state=jax.tree.map(sds, opt, opt_sh),
                        qb_bias=sds(jax.ShapeDtypeStruct((m.n_layers, m.n_experts), jnp.float32), rep),
                        rng=sds(key_data, rep))
     state_sh = jax.tree.map(lambda x: x.sharding, state)

@@ -174,7 +174,6 @@ class _Session:
     step_fn: Callable
     eval_fns: dict[str, Callable]
     to_global: Callable  # this process's numpy rows -> a global array sharded over the batch axes
-    offload: Offload | None
     ckpt: CheckpointManager
 
 
@@ -200,12 +199,11 @@ def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool) -> _
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
-    return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b),
-                    offload, ckpt)
+    return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt)
 
 
 def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
-    params = s.state.params if s.offload is None else jax.device_put(s.state.params, s.offload.params_device)
+    params = s.state.compute  # device-resident, router bias included, as the train step saw it
     bpt = jnp.asarray(data.bytes_per_token)
     out = {}
     for prefix, fn in s.eval_fns.items():
@@ -290,8 +288,9 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
             elif not src.is_dir():
                 raise RunError(f"--init-from {src}: no such checkpoint or run directory")
             loaded, _ = restore(src, state, model_config=model_cfg)
-            return TrainState(step=state.step, params=loaded.params, opt_state=optimizer.init(loaded.params),
-                              qb_bias=loaded.qb_bias, rng=state.rng)
+            compute = jax.tree.map(lambda p, c: p.astype(c.dtype), loaded.params, state.compute)
+            return TrainState(step=state.step, params=loaded.params, compute=compute,
+                              opt_state=optimizer.init(loaded.params), qb_bias=loaded.qb_bias, rng=state.rng)
     except CheckpointError as e:
         raise RunError(str(e)) from None
     return state

@@ -17,7 +17,7 @@ from moejax.config import ModelConfig
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
 from moejax.model.transformer import drop_token_stats, model_loss
-from moejax.train.state import TrainState
+from moejax.train.state import TrainState, compute_copy
 
 
 def with_router_bias(params, bias_LE):
@@ -60,7 +60,8 @@ class Offload:
     """Where the fp32 master weights and optimizer state live between steps (SPEC §4 pinned host).
 
     Each field is a sharding pytree; `host` ones carry memory_kind="pinned_host". Inside the jitted step
-    they are moved to device memory for the forward/backward and the update, then back to host.
+    they are moved to device memory for the update only (the forward/backward read the compute copy),
+    then back to host.
     """
 
     params_device: object
@@ -74,15 +75,19 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     layer_hook = qb_hook(cfg) if cfg.qb else None
 
     def train_step(state: TrainState, batch: dict):
+        # Forward and backward read the device-resident compute copy (upcast: fp32 leaves give fp32 grads
+        # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
+        fwd_params = with_router_bias(jax.tree.map(lambda c: c.astype(jnp.float32), state.compute), state.qb_bias)
+        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
+
         master, opt_state = state.params, state.opt_state
-        if offload is not None:  # host -> device for this step only
+        if offload is not None:  # host -> device, for the update only
             master = jax.device_put(master, offload.params_device)
             opt_state = jax.device_put(opt_state, offload.opt_device)
-        params = with_router_bias(master, state.qb_bias)
-        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
+        master = with_router_bias(master, state.qb_bias)
+        updates, opt_state = optimizer.update(grads, opt_state, master)
+        new_master = optax.apply_updates(master, updates)
         layers = aux["layers"]
         qb_bias = layers.pop("qb_bias", state.qb_bias)
         metrics = {
@@ -93,17 +98,18 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
             **{f"train/learning_rate/{g}": fn(state.step) for g, fn in lr_fns.items()},
             "train/grad_norm": optax.tree.norm(grads),
             "train/update_norm": optax.tree.norm(updates),
-            "train/param_norm": optax.tree.norm(new_params),
+            "train/param_norm": optax.tree.norm(new_master),
             "train/tokens": aux["tokens"],
             "train/router/load": layers["load"],
             **moe_metrics(layers, cfg.n_layers),
         }
-        new_params = with_router_bias(new_params, qb_bias)
-        if offload is not None:  # device -> host: only the bf16 math stays on the accelerator
-            new_params = jax.device_put(new_params, offload.params_host)
+        new_master = with_router_bias(new_master, qb_bias)
+        new_compute = compute_copy(new_master, jnp.dtype(cfg.compute_dtype))
+        if offload is not None:  # device -> host: only the compute copy stays on the accelerator
+            new_master = jax.device_put(new_master, offload.params_host)
             opt_state = jax.device_put(opt_state, offload.opt_host)
-        new_state = TrainState(step=state.step + 1, params=new_params, opt_state=opt_state, qb_bias=qb_bias,
-                               rng=state.rng)
+        new_state = TrainState(step=state.step + 1, params=new_master, compute=new_compute, opt_state=opt_state,
+                               qb_bias=qb_bias, rng=state.rng)
         return new_state, metrics
 
     return train_step
