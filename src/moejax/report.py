@@ -165,6 +165,7 @@ def plot_load(rows: list[dict], out_dir: Path, layer: int | None) -> Path | None
     for ax, i in zip(axes[:, 0], layers):
         im = ax.imshow(rel_LES[i], aspect="auto", cmap="RdBu_r", norm=norm, extent=extent, interpolation="nearest")
         ax.set_ylabel(f"layer {i}\nexpert")
+        ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))  # expert ids, not fractions
     axes[-1, 0].set_xlabel("step")
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="load / mean load", shrink=0.9)
     fig.suptitle("expert load (tokens routed / mean over experts)")
