@@ -36,8 +36,7 @@ import numpy as np
 from bench_train_step import compiled_step  # bench/ is sys.path[0] when run as a script
 from moejax.checkpoint import MARKER, CheckpointManager, list_checkpoints, restore
 from moejax.config import TINY, apply_overrides
-from moejax.data.default import bible_store
-from moejax.data.loader import Batcher
+from moejax.data.pipeline import make_data
 
 # TINY widened to a rung shape (ladder rule: head dim 128, H = d/128, KV heads H//4, global max(1, H//8),
 # expert = latent = shared width = d/2), with fewer experts so the fp32 state fits a laptop.
@@ -131,7 +130,6 @@ def main() -> None:
 
     wide = apply_overrides(TINY, WIDE_OVERRIDES + [f"train.batch_size={args.wide_batch_size}"])
     wide = dataclasses.replace(wide, name="tiny-wide")
-    store, _ = bible_store(TINY.model.vocab_size)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, {jax.device_count()} device(s)); "
           f"optimizer: {TINY.train.optimizer}; checkpoints under tempfile.TemporaryDirectory")
     print(f"wide = TINY with {' '.join(o.removeprefix('model.') for o in WIDE_OVERRIDES)}")
@@ -140,9 +138,9 @@ def main() -> None:
     rows = []
     for cfg, rounds in ((TINY, args.rounds_tiny), (wide, args.rounds_wide)):
         t = cfg.train
-        data = Batcher(store, t.seq_len, t.batch_size, t.seed, "train")
         n_batches = 2 + 2 * args.steps * rounds
-        batches = [jax.device_put(data.batch(i)) for i in range(min(n_batches, 8))]  # reused cyclically
+        with make_data(cfg) as data:
+            batches = [jax.device_put(data.train.batch(i)) for i in range(min(n_batches, 8))]  # reused cyclically
         t0 = time.perf_counter()
         res = bench_model(cfg, batches, args.steps, rounds)
         rows.append((cfg, res, time.perf_counter() - t0))

@@ -22,8 +22,7 @@ import numpy as np
 
 from moejax import accounting
 from moejax.config import TINY
-from moejax.data.default import bible_store
-from moejax.data.loader import Batcher
+from moejax.data.pipeline import make_data
 from moejax.perf import measure_matmul_peak
 from moejax.train.loop import make_optimizer
 from moejax.train.state import init_state
@@ -66,9 +65,8 @@ def main() -> None:
     cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
                                                               seq_len=args.seq_len))
     m, t = cfg.model, cfg.train
-    store, _ = bible_store(m.vocab_size)
-    data = Batcher(store, t.seq_len, t.batch_size, t.seed, "train")
-    batches = [jax.device_put(data.batch(i)) for i in range(args.warmup + args.steps)]
+    with make_data(cfg) as data:
+        batches = [jax.device_put(data.train.batch(i)) for i in range(args.warmup + args.steps)]
 
     peak = measure_matmul_peak()
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
