@@ -175,9 +175,10 @@ class _Session:
     eval_fns: dict[str, Callable]
     to_global: Callable  # this process's numpy rows -> a global array sharded over the batch axes
     ckpt: CheckpointManager
+    bytes_per_token: jax.Array  # [V] UTF-8 bytes per id, for bits per byte
 
 
-def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool) -> _Session:
+def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data) -> _Session:
     m, t = cfg.model, cfg.train
     optimizer, lr_fns = make_optimizer(cfg)
     try:
@@ -199,21 +200,21 @@ def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool) -> _
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
-    return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt)
+    return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
+                    jnp.asarray(data.bytes_per_token))
 
 
 def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
     params = s.state.compute  # device-resident, router bias included, as the train step saw it
-    bpt = jnp.asarray(data.bytes_per_token)
     out = {}
     for prefix, fn in s.eval_fns.items():
-        out.update(evaluate(fn, params, data.eval, n_batches, bpt, prefix, s.to_global))
+        out.update(evaluate(fn, params, data.eval, n_batches, s.bytes_per_token, prefix, s.to_global))
     return out
 
 
 def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float) -> dict:
     t = cfg.train
-    s = _setup(cfg, run_dir, opts, resuming)
+    s = _setup(cfg, run_dir, opts, resuming, data)
     start = int(s.state.step)
     if start:
         _truncate_metrics(run_dir, start)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moejax.config import ModelConfig
-from moejax.model.layers import init_conv, pytree_dataclass, rms_norm, sconv, trunc_normal
+from moejax.model.layers import init_conv, pytree_dataclass, rms_norm, sconv, swiglu, trunc_normal
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.router import route, router_stats
 
@@ -75,8 +75,7 @@ def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], 
                          p.w_down.astype(dt))
     y_TD = y_TZ.astype(dt) @ p.lat_up.astype(dt)
     for s in range(cfg.n_shared):
-        h = jax.nn.silu(m_TD @ p.shared_gate[s].astype(dt)) * (m_TD @ p.shared_up[s].astype(dt))
-        y_TD = y_TD + h @ p.shared_down[s].astype(dt)
+        y_TD = y_TD + swiglu(m_TD, p.shared_gate[s].astype(dt), p.shared_up[s].astype(dt), p.shared_down[s].astype(dt))
     out = sconv(y_TD.reshape(bsz, seq, d), p.conv_out, segment_ids)
     stats = {**router_stats(r, mask_T), **drops,  # margins and mask feed QB (layer hook), then are dropped
              "margins": r.logits_TE - r.threshold_T[:, None], "token_mask": mask_T}
