@@ -35,7 +35,8 @@ import numpy as np
 
 from bench_train_step import compiled_step  # bench/ is sys.path[0] when run as a script
 from moejax.checkpoint import MARKER, CheckpointManager, list_checkpoints, restore
-from moejax.config import TINY, apply_overrides
+from moejax.config import apply_overrides
+from moejax.presets import TINY
 from moejax.data.pipeline import make_data
 
 # TINY widened to a rung shape (ladder rule: head dim 128, H = d/128, KV heads H//4, global max(1, H//8),

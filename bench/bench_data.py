@@ -12,7 +12,8 @@ import tempfile
 import time
 from dataclasses import replace
 
-from moejax.config import TINY, DataConfig
+from moejax.config import DataConfig
+from moejax.presets import TINY
 from moejax.data.pipeline import make_data
 from moejax.data.prepare import prepare
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
-from moejax.config import BATCH_AXES, MESH_AXES  # noqa: E402
+from moejax.parallel.mesh import BATCH_AXES, MESH_AXES  # noqa: E402
 from moejax.model.moe.experts import routed_local  # noqa: E402
 from moejax.parallel.expert_parallel import routed_expert_parallel, transport_sizes  # noqa: E402
 
@@ -75,7 +75,7 @@ def main():
     args = make_inputs(jax.random.key(0), a.tokens, a.experts, a.top_k, a.latent, a.width)
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(1, 1, 8, 1), MESH_AXES,
-                             axis_types=(AxisType.Explicit,) * 4)
+                             axis_types=(AxisType.Auto,) * 4)
     tok, exp = NamedSharding(mesh, PartitionSpec(BATCH_AXES)), NamedSharding(mesh, PartitionSpec("expert"))
     ep_args = [jax.device_put(x, tok if i < 4 else exp) for i, x in enumerate(args)]
     local_args = [jax.device_put(x, devices[0]) for x in args]
@@ -97,11 +97,11 @@ def main():
     for cf in (1.0, 1.15, 1.5):
         _, stats = jax.jit(lambda *x: routed_expert_parallel(*x, mesh=mesh, waves=a.waves, cf_send=cf,
                                                              cf_recv=cf))(*ep_args)
-        s = {k: int(v) for k, v in stats.items() if k != "overflow"}
+        s = {k: int(v) for k, v in stats._asdict().items()}
         assert s["kept"] + s["sender_dropped"] + s["receiver_dropped"] == s["valid"], s
         sz = transport_sizes(a.tokens // 8, a.top_k, 8, a.experts // 8, a.waves, cf, cf, a.latent, 4)
         v = s["valid"]
-        print(f"| {cf:.2f} | {sz.send_pool} | {sz.recv_capacity} | {float(stats['overflow']):.4f} | "
+        print(f"| {cf:.2f} | {sz.send_pool} | {sz.recv_capacity} | {(s['sender_dropped'] + s['receiver_dropped']) / s['valid']:.4f} | "
               f"{s['sender_dropped'] / v:.4f} | {s['receiver_dropped'] / v:.4f} |")
 
 

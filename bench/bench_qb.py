@@ -32,7 +32,8 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moejax.config import TINY, RunConfig  # noqa: E402
+from moejax.config import RunConfig  # noqa: E402
+from moejax.presets import TINY  # noqa: E402
 from moejax.metrics import read_metrics  # noqa: E402
 from moejax.train.loop import RunOptions, train  # noqa: E402
 

@@ -21,10 +21,10 @@ import jax
 import numpy as np
 
 from moejax import accounting
-from moejax.config import TINY
+from moejax.presets import TINY
 from moejax.data.pipeline import make_data
 from moejax.perf import measure_matmul_peak
-from moejax.train.loop import make_optimizer
+from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.config import HERO_MODEL
+from moejax.presets import HERO_MODEL
 
 
 def toy_model(**kw):

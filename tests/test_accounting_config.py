@@ -3,12 +3,13 @@
 import pytest
 
 from moejax import accounting
-from moejax.config import (HERO, PRESET_NAMES, ConfigError, ModelConfig, ParallelConfig, RunConfig, apply_overrides,
-                           preset)
+from moejax.model.transformer import param_count
+from moejax.config import apply_overrides, ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moejax.presets import HERO, PRESET_NAMES, preset
 
 
 def test_hero_accounting_exact():
-    s = accounting.summary(HERO)
+    s = accounting.summary(HERO, param_count(HERO.model))
     assert s["total_params"] == 535_305_388_032
     assert s["active_params"] == 22_762_487_808
     assert s["exact_params"] == 535_477_106_688
@@ -40,7 +41,7 @@ RUNGS = {
 @pytest.mark.parametrize("name", sorted(RUNGS))
 def test_ladder_rungs(name):
     cfg = preset(name)
-    s = accounting.summary(cfg, exact=False)
+    s = accounting.summary(cfg)
     assert s["total_params"] == RUNGS[name]["total"]
     assert s["active_params"] == RUNGS[name]["active"]
     assert s["steps"] == RUNGS[name]["steps"] == round(791 * s["active_params"] / (1024 * 4096))
@@ -55,8 +56,8 @@ def test_ladder_rungs(name):
 
 
 def test_ladder_share_of_hero_compute():
-    hero = accounting.summary(HERO, exact=False)["train_flops"]
-    share = sum(accounting.summary(preset(n), exact=False)["train_flops"] for n in RUNGS) / hero
+    hero = accounting.summary(HERO)["train_flops"]
+    share = sum(accounting.summary(preset(n))["train_flops"] for n in RUNGS) / hero
     assert share == pytest.approx(0.0042, abs=0.0002)
 
 

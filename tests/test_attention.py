@@ -46,7 +46,7 @@ def test_rope_is_relative():
 
 def _attn_setup(seed=0, seq=12):
     cfg = toy_model(window=4)
-    p = Attention.init(jax.random.key(seed), cfg)
+    p = Attention.init(cfg, jax.random.key(seed))
     p = Attention(**{**p.__dict__, "head_gate": 0.2 * jax.random.normal(jax.random.key(9), p.head_gate.shape)})
     x = jax.random.normal(jax.random.key(seed + 1), (1, seq, cfg.d_model))
     return cfg, p, x
@@ -93,7 +93,7 @@ def test_kv_head_split():
 
 def test_head_gate_is_identity_at_init():
     cfg = toy_model()
-    p = Attention.init(jax.random.key(0), cfg)
+    p = Attention.init(cfg, jax.random.key(0))
     assert np.all(np.asarray(p.head_gate) == 0.0)
     x = jax.random.normal(jax.random.key(1), (1, 8, cfg.d_model))
     gate = 2 * jax.nn.sigmoid(x @ p.head_gate)

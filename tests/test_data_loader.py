@@ -9,9 +9,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from moejax.config import HERO, TINY, ConfigError, DataConfig
+from moejax.config import ConfigError, DataConfig
+from moejax.presets import HERO, TINY
 from moejax.data.pipeline import make_data
-from moejax.data.schedule import HERO_CONTEXT_SCHEDULE, ContextSchedule
+from moejax.data.schedule import ContextSchedule
+from moejax.presets import HERO_CONTEXT_SCHEDULE
 from moejax.data.store import SourceTokens, Store
 
 EOS, VOCAB = 2047, 2048

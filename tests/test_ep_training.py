@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 
 from moejax.checkpoint import list_checkpoints, restore
-from moejax.config import ParallelConfig, apply_overrides, preset
+from moejax.config import apply_overrides, ParallelConfig
+from moejax.presets import preset
 from moejax.parallel.mesh import make_mesh
-from moejax.train.loop import Preempted, RunError, RunOptions, make_optimizer, prepare_run_dir, train
+from moejax.train.loop import Preempted, RunOptions, train
+from moejax.train.optimizer import make_optimizer
+from moejax.train.run_dir import RunError, prepare_run_dir
 from moejax.train.state import init_state
 
 OPTS = RunOptions(wandb="disabled", progress=False, peak_flops=1e11)

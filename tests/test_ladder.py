@@ -2,7 +2,8 @@
 
 import pytest
 
-from moejax.config import ConfigError, LADDER_SHAPES
+from moejax.config import ConfigError
+from moejax.presets import LADDER_SHAPES
 from moejax.ladder.micro import MICRO_SHAPES, MICRO_TOKENS_PER_ACTIVE_PARAM, micro_rung
 from moejax.ladder.rungs import LADDER_WIDTHS, format_ladder_plan, ladder_plan, rung_plan
 from moejax.train.heuristic import optimizer_heuristic

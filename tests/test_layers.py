@@ -40,7 +40,7 @@ def test_sconv_identity_at_init_and_causal():
 
 def test_gated_norm_formula():
     d, r = 6, 3
-    n = Norm.init(jax.random.key(0), d, r, std=0.5)
+    n = Norm.init(d, r, 0.5, jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 4, d))
     h = rms_norm(x, n.gain, 1e-5)
     want = h * jax.nn.sigmoid(jax.nn.silu(h @ n.down) @ n.up)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.model.moe.layer import routed_local_with_stats
+from moejax.model.moe.layer import DropStats, routed_local_with_stats
 from moejax.model.moe.reference import routed_reference
 from moejax.model.transformer import Transformer, model_loss
 from tests.helpers import toy_batch, toy_model
@@ -18,8 +18,7 @@ def reference_routed(z, ids, w, mask, wg, wu, wd):
     y = routed_reference(z, ids, w, mask, wg, wu, wd)
     valid = jnp.sum(mask).astype(jnp.int32) * ids.shape[1]
     zero = jnp.zeros((), jnp.int32)
-    return y, {"valid": valid, "kept": valid, "sender_dropped": zero, "receiver_dropped": zero,
-               "padding_skipped": zero}
+    return y, DropStats(valid=valid, kept=valid, sender_dropped=zero, receiver_dropped=zero, padding_skipped=zero)
 
 
 def test_model_local_path_equals_reference_loss_and_grads():

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 
 from moejax.cli import main
-from moejax.config import HERO, TINY, ConfigError, ParallelConfig
+from moejax.config import ConfigError, ParallelConfig
+from moejax.presets import HERO, TINY
 from moejax.plan import CLUSTERS, GB, plan
 
 HERO_TOKENS_PER_DEVICE = 11_264 * 4096 // 704  # 65,536

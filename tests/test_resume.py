@@ -10,7 +10,7 @@ import numpy as np
 
 from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints, restore
 from moejax.config import RunConfig
-from moejax.train.loop import make_optimizer
+from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 
 ARGS = ["--preset", "tiny", "--steps", "8", "--no-progress", "--peak-flops", "1e11",

@@ -3,7 +3,8 @@
 - `total_params` / `active_params`: the run's headline formulas (matrices only; active excludes
   embedding and LM head and counts K of E routed experts).
 - `exact_params`: every leaf of the model's own pytree (norms, gates, biases, conv taps included), from
-  `jax.eval_shape` of the initialiser, so it works for the 535B hero without allocating it.
+  `jax.eval_shape` of the initialiser (`model.transformer.param_count`, passed into `summary`), so it works
+  for the 535B hero without allocating it.
 - `fwd_flops_per_token`: 2 * MACs of routed experts at latent width, shared experts, router, QKV/O
   projections (G KV heads on local layers, G_global on global ones), attention scores and values with the
   effective context (seq on global layers, min(seq, window) on local ones), the latent projections and
@@ -12,10 +13,6 @@
 """
 
 from __future__ import annotations
-
-import math
-
-import jax
 
 from moejax.config import ModelConfig, RunConfig
 
@@ -38,13 +35,6 @@ def active_params(m: ModelConfig) -> int:
     return m.n_layers * _layer_params(m, m.top_k)
 
 
-def exact_params(m: ModelConfig) -> int:
-    from moejax.model.transformer import Transformer
-
-    shapes = jax.eval_shape(lambda k: Transformer.init(m, k), jax.random.key(0))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
-
-
 def fwd_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     d, hd = m.d_model, m.head_dim
     flops = 0.0
@@ -61,14 +51,16 @@ def fwd_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return flops + 2 * d * m.vocab_size  # LM head
 
 
-def summary(cfg: RunConfig, exact: bool = True) -> dict:
+def summary(cfg: RunConfig, exact_params: int | None = None) -> dict:
+    """The accounting of a run. `exact_params` (the model pytree's size, `model.transformer.param_count`)
+    is passed in: this module is analytic and imports no model code."""
     m, t = cfg.model, cfg.train
     fwd = fwd_flops_per_token(m, t.seq_len)
     out = {
         "preset": cfg.name,
         "total_params": total_params(m),
         "active_params": active_params(m),
-        "exact_params": exact_params(m) if exact else None,
+        "exact_params": exact_params,
         "tokens_per_step": t.tokens_per_step,
         "steps": t.steps,
         "tokens": t.total_tokens,

@@ -18,15 +18,19 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from moejax.config import PRESET_NAMES, ConfigError, apply_overrides, parse_mesh, preset
+from moejax.config import apply_overrides, ConfigError
+from moejax.parallel.mesh import parse_mesh
+from moejax.presets import PRESET_NAMES, preset
 
 EXIT_USAGE = 2
 
 
 def _cmd_count(args) -> int:
     from moejax import accounting
+    from moejax.model.transformer import param_count
 
-    s = accounting.summary(preset(args.preset))
+    cfg = preset(args.preset)
+    s = accounting.summary(cfg, param_count(cfg.model))
     print(json.dumps(s, indent=2) if args.json else accounting.format_summary(s))
     return 0
 

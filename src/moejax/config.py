@@ -1,9 +1,9 @@
-"""Frozen, self-validating configuration and the named presets.
+"""Frozen, self-validating configuration: the dataclasses and nothing else.
 
 A run is `RunConfig(model, train, parallel, data)`. Every dataclass validates itself in `__post_init__` and
 raises `ConfigError` (a `ValueError`) naming the field and the numbers involved. Derived quantities are
-properties. Presets live in `PRESETS` (tiny, the ladder rungs d768…d2048, hero); the ladder rule that
-maps a width to a rung is `ladder_rung` (SPEC §5).
+properties. The named presets (tiny, ladder rungs, hero) and the ladder rule live in `moejax.presets`;
+mesh axis names and PartitionSpecs in `moejax.parallel.mesh`. This module imports nothing from moejax.
 
 Sources: SPEC §1 (hero table), §2 (block recipe), §3 (transport), §5 (ladder rule).
 """
@@ -15,10 +15,6 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
-
-MESH_AXES = ("replica_dcn", "data", "expert", "model")
-BATCH_AXES = ("replica_dcn", "data", "expert")
-
 
 class ConfigError(ValueError):
     """A user-facing configuration problem; the message names the field and the values."""
@@ -165,23 +161,25 @@ class TrainConfig:
 class ParallelConfig:
     """Mesh shape and the expert-parallel transport (SPEC §3)."""
 
-    replica_dcn: int = 1
-    data: int = 1
-    expert: int = 1
-    model: int = 1
-    moe_backend: str = "auto"  # "auto": pooled-wave EP when expert > 1, else the local dropless path
-    waves: int = 3
-    cf_send: float = 1.15
-    cf_recv: float = 1.15
+    # Mesh axis sizes, in the order of parallel.mesh.MESH_AXES.
+    replica_dcn: int = 1  # data-parallel replicas across racks (data-centre network)
+    data: int = 1  # data-parallel (FSDP) shards inside a rack
+    expert: int = 1  # expert-parallel shards: routed experts split over them, tokens exchanged all-to-all
+    model: int = 1  # tensor parallelism (not supported yet: must be 1)
+    # Which routed-expert implementation runs; names are resolved by parallel.backends ("auto": the
+    # pooled-wave transport when expert > 1, else the dropless local path).
+    moe_backend: str = "auto"
+    waves: int = 3  # W: all-to-all rounds per MoE layer; assignments are striped over them round-robin
+    cf_send: float = 1.15  # sender capacity factor: pool rows per destination per wave = cf_send*A/(S*W)
+    cf_recv: float = 1.15  # receiver capacity factor: rows per local expert per wave = cf_recv*A/(E_loc*W)
 
     def __post_init__(self):
         _positive(self, "replica_dcn", "data", "expert", "model", "waves", "cf_send", "cf_recv")
-        _require(self.moe_backend in ("auto", "local", "ep"),
-                 f"moe_backend ({self.moe_backend!r}) must be 'auto', 'local' or 'ep'")
         _require(self.model == 1, f"model axis ({self.model}) > 1 is not supported yet (tensor parallelism)")
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
+        """Axis sizes in MESH_AXES order (replica_dcn, data, expert, model)."""
         return (self.replica_dcn, self.data, self.expert, self.model)
 
     @property
@@ -193,8 +191,16 @@ class ParallelConfig:
         return self.replica_dcn * self.data * self.expert
 
     @property
+    def resolved_backend(self) -> str:
+        """The backend name with "auto" resolved: "ep" when the expert axis is used, else "local"."""
+        if self.moe_backend == "auto":
+            return "ep" if self.expert > 1 else "local"
+        return self.moe_backend
+
+    @property
     def use_ep(self) -> bool:
-        return self.moe_backend == "ep" or (self.moe_backend == "auto" and self.expert > 1)
+        """True when tokens cross devices through the pooled-wave transport (capacity, drops)."""
+        return self.resolved_backend == "ep"
 
 
 def _parse_named(field_name: str, text: str, allow_bare: bool = False) -> dict[str, float]:
@@ -309,17 +315,6 @@ class RunConfig:
                          data=DataConfig(**d.get("data", {})))
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """`replica_dcn=1,data=2,expert=4,model=1` -> dict; omitted axes are 1."""
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"--mesh item {item!r} is not AXIS=N with AXIS one of {', '.join(MESH_AXES)} and N >= 1")
-        out[name] = int(value)
-    return out
-
-
 # ---- overrides ---------------------------------------------------------------------------------
 _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig, "data": DataConfig}
 
@@ -353,74 +348,3 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         _require(name in {f.name for f in fields(cls)}, f"override {item!r}: {cls.__name__} has no field {name!r}")
         changes.setdefault(section, {})[name] = _coerce(cls, name, raw)
     return replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in changes.items()})
-
-
-# ---- presets -----------------------------------------------------------------------------------
-HERO_MODEL = ModelConfig()  # the defaults are the hero (SPEC §1)
-# Memory settings of the hero (moejax plan hero): stream the LM head over 16K-wide vocab blocks and
-# attention over 512-query blocks, remat every block. They change no value, only what is live at once.
-HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
-
-HERO = RunConfig(
-    name="hero",
-    model=replace(HERO_MODEL, **HERO_MEMORY),
-    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host",
-                      remat=True),
-    parallel=ParallelConfig(replica_dcn=11, data=1, expert=64, model=1),
-    # Seed: 4K -> 8K at 50%, 8K -> 65K at 95%, a 262K phase near the end, tokens per step fixed. The 262K
-    # phase has 176 sequences for 704 devices: it needs sequence parallelism, which moejax lacks so far.
-    data=DataConfig(context_schedule="0.5:8192,0.95:65536,0.99:262144"),
-)
-
-# Ladder rule (SPEC §5): head dim 128; KV heads local H//4, global max(1, H//8); expert width = latent =
-# shared width = d/2; 384 experts top-8; batch 1024 sequences per rack (one rack); seq 4096;
-# steps = round(791 * active params / tokens per step).
-LADDER_SHAPES = {768: (8, 6), 1024: (12, 8), 1536: (16, 12), 2048: (22, 16), 6144: (48, 48)}
-TOKENS_PER_ACTIVE_PARAM = 791
-LADDER_BATCH = 1024
-
-
-def ladder_model(d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
-    return replace(HERO_MODEL, **HERO_MEMORY, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                   n_kv_heads=max(1, n_heads // 4), n_kv_heads_global=max(1, n_heads // 8),
-                   expert_width=d_model // 2, latent_width=d_model // 2, shared_width=d_model // 2)
-
-
-def ladder_rung(d_model: int) -> RunConfig:
-    """The ladder rung at this width: shapes from LADDER_SHAPES, steps from 791 tokens/active param."""
-    if d_model not in LADDER_SHAPES:
-        raise ConfigError(f"no ladder rung at width {d_model} (known: {sorted(LADDER_SHAPES)})")
-    from moejax.accounting import active_params  # local import: accounting depends on config
-
-    n_layers, n_heads = LADDER_SHAPES[d_model]
-    model = ladder_model(d_model, n_layers, n_heads)
-    train = TrainConfig(seq_len=4096, batch_size=LADDER_BATCH, steps=1, optimizer="hero")
-    steps = round(TOKENS_PER_ACTIVE_PARAM * active_params(model) / train.tokens_per_step)
-    return RunConfig(name=f"d{d_model}", model=model, train=replace(train, steps=steps),
-                     parallel=ParallelConfig(expert=64))
-
-
-# The CPU demo: every hero feature at toy size (local + global layers, split KV heads, window < seq,
-# 16 experts top-2 divisible by 8, 2 shared experts, latent narrower than the width).
-TINY = RunConfig(
-    name="tiny",
-    model=replace(HERO_MODEL, vocab_size=2048, d_model=128, n_layers=4, n_heads=8, head_dim=16,
-                  n_kv_heads=2, n_kv_heads_global=1, window=64, rope_dim=8, gated_norm_rank=16,
-                  n_experts=16, top_k=2, expert_width=64, latent_width=64, n_shared=2, shared_width=64),
-    train=TrainConfig(seq_len=128, batch_size=16, steps=300, optimizer="hero", warmup_fraction=0.05,
-                      eval_every=100, b2=0.99, checkpoint_every=100, temp_checkpoint_minutes=2.0),
-    parallel=ParallelConfig(),
-)
-
-
-def preset(name: str) -> RunConfig:
-    if name == "tiny":
-        return TINY
-    if name == "hero":
-        return HERO
-    if name.startswith("d") and name[1:].isdigit() and int(name[1:]) in LADDER_SHAPES and name != "d6144":
-        return ladder_rung(int(name[1:]))
-    raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESET_NAMES)})")
-
-
-PRESET_NAMES = ("tiny", "d768", "d1024", "d1536", "d2048", "hero")

@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 
 from moejax import accounting
-from moejax.config import BATCH_AXES, MESH_AXES, ConfigError, RunConfig
+from moejax.config import ConfigError, RunConfig
+from moejax.parallel.mesh import BATCH_AXES, MESH_AXES
 
 GB = 1e9
 DEFAULT_MFU = 0.225
@@ -70,19 +71,13 @@ def check_cluster(cfg: RunConfig, cluster: Cluster) -> None:
                           f"{cluster.devices_per_rack} devices of one NVLink domain of {cluster.name}")
 
 
-def abstract_mesh(cfg: RunConfig):
-    from jax.sharding import AbstractMesh, AxisType
-
-    return AbstractMesh(cfg.parallel.mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
 def abstract_state_parts(cfg: RunConfig, mesh):
     """(params, param shardings, optimizer state, its shardings) — shapes only, via jax.eval_shape."""
     import jax
 
     from moejax.model.transformer import Transformer
     from moejax.parallel.mesh import mirror_shardings, param_shardings
-    from moejax.train.loop import make_optimizer
+    from moejax.train.optimizer import make_optimizer
 
     params = jax.eval_shape(lambda k: Transformer.init(cfg.model, k), jax.random.key(0))
     params_sh = param_shardings(params, mesh)
@@ -101,7 +96,7 @@ def _shard_elems(tree, shardings) -> list[tuple[str, int, int, int]]:
 
 
 def memory_numbers(cfg: RunConfig) -> dict:
-    mesh = abstract_mesh(cfg)
+    mesh = abstract_mesh(cfg.parallel)
     params, params_sh, opt, opt_sh, _, _ = abstract_state_parts(cfg, mesh)
     p_leaves = _shard_elems(params, params_sh)
     routed = [x for x in p_leaves if x[0].split(".")[-1] in ("w_gate", "w_up", "w_down") and ".moe." in x[0]]

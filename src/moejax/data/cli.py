@@ -55,7 +55,8 @@ def _cmd_prepare(args) -> int:
 def _cmd_check(args) -> int:
     from dataclasses import replace
 
-    from moejax.config import apply_overrides, preset
+    from moejax.config import apply_overrides
+    from moejax.presets import preset
     from moejax.data.pipeline import make_data
     from moejax.data.store import open_store
 

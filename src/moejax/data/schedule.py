@@ -10,11 +10,6 @@ from dataclasses import dataclass
 
 from moejax.config import ConfigError, DataConfig, TrainConfig
 
-# The hero's seed schedule (SPEC §5): 4K (twice the sequences per batch, for expert balancing) -> 8K at
-# 50%, -> 65K at 95%, a 262K phase near the end. Set `data.context_schedule` to this on the hero preset.
-HERO_CONTEXT_SCHEDULE = "0.5:8192,0.95:65536,0.99:262144"
-
-
 @dataclass(frozen=True)
 class ContextSchedule:
     tokens_per_step: int

@@ -70,7 +70,7 @@ def _cmd_ladder_fit(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from moejax.config import preset
+    from moejax.presets import preset
     from moejax.plan import CLUSTERS, format_plan, plan
 
     if args.cluster not in CLUSTERS:
@@ -94,7 +94,7 @@ def _cmd_plan(args) -> int:
 
 def register(sub) -> None:
     """Add this package's subparsers to the `moejax` command."""
-    from moejax.config import PRESET_NAMES
+    from moejax.presets import PRESET_NAMES
     from moejax.plan import DEFAULT_CLUSTER, DEFAULT_MFU
 
     lad = sub.add_parser("ladder", help="scaling ladder: plan, CPU micro-ladder, fit")

@@ -26,23 +26,22 @@ def abstract_train_inputs(cfg, mesh):
     """(abstract state, abstract batch, state shardings, batch sharding, optimizer, lr_fn)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding
 
-    from moejax.parallel.mesh import BATCH_SPEC
+    from moejax.parallel.mesh import BATCH_SPEC, REPLICATED
     from moejax.plan import abstract_state_parts
-    from moejax.train.state import TrainState
+    from moejax.train.state import TrainState, compute_copy
 
     params, params_sh, opt, opt_sh, optimizer, lr_fn = abstract_state_parts(cfg, mesh)
-    rep = NamedSharding(mesh, PartitionSpec())
+    rep = NamedSharding(mesh, REPLICATED)
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
     key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
     m, t = cfg.model, cfg.train
     state = TrainState(step=sds(jax.ShapeDtypeStruct((), jnp.int32), rep),
                        params=jax.tree.map(sds, params, params_sh),
-                       compute=jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, jnp.dtype(m.compute_dtype),
-                                                                               sharding=sh), params, params_sh),
+                       compute=jax.tree.map(sds, jax.eval_shape(lambda p: compute_copy(p, jnp.dtype(m.compute_dtype)),
+                                                                params), params_sh),
                        opt_state=jax.tree.map(sds, opt, opt_sh),
-                       qb_bias=sds(jax.ShapeDtypeStruct((m.n_layers, m.n_experts), jnp.float32), rep),
                        rng=sds(key_data, rep))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     bsh = NamedSharding(mesh, BATCH_SPEC)
@@ -58,15 +57,15 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None)
     of this process's devices, lowered for them); returns timing and counts."""
     import jax
 
-    from moejax.plan import abstract_mesh
-    from moejax.train.loop import routed_backend
+    from moejax.parallel.mesh import abstract_mesh
+    from moejax.parallel.backends import moe_backend
     from moejax.train.step import make_train_step
 
     t0 = time.perf_counter()
     concrete = mesh is not None
-    mesh = mesh if concrete else abstract_mesh(cfg)
+    mesh = mesh if concrete else abstract_mesh(cfg.parallel)
     state, batch, state_sh, bsh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh)
-    step = make_train_step(cfg.model, optimizer, lr_fn, routed_backend(cfg.parallel, mesh), remat=remat)
+    step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(cfg.parallel, mesh), remat=remat)
     fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))
     t1 = time.perf_counter()
     # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs).
@@ -88,7 +87,7 @@ def _num_partitions(text: str) -> int:
 
 
 def _main(argv: list[str]) -> None:
-    from moejax.config import preset
+    from moejax.presets import preset
 
     cfg = preset(argv[0])
     try:

@@ -1,8 +1,8 @@
 """The CPU micro-ladder: the ladder rule at toy widths, every rung a real training run (SPEC §5).
 
-Rungs are `config.TINY` with the width varied; everything else follows the production rule:
+Rungs are `presets.TINY` with the width varied; everything else follows the production rule:
 - layers, heads: MICRO_SHAPES (head dim 16 = TINY's, so H = d/16; layers ~ d/32 as TINY's 4 at d 128);
-- KV heads local H/4, global max(1, H/8), expert = latent = shared width d/2 (as `config.ladder_model`);
+- KV heads local H/4, global max(1, H/8), expert = latent = shared width d/2 (`presets.ladder_shape`);
 - 16 experts top-2, vocab 2048, batch 16 x 128 tokens (TINY's);
 - steps = max(MICRO_MIN_STEPS, round(MICRO_TOKENS_PER_ACTIVE_PARAM * N_active / tokens per step)).
   The production 791 tokens per active parameter would need ~26,000 steps at d 96 (~5 h on 2 cores at
@@ -28,7 +28,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from moejax import accounting
-from moejax.config import TINY, ConfigError, RunConfig
+from moejax.config import ConfigError, RunConfig
+from moejax.presets import TINY, ladder_shape
 
 MICRO_SHAPES = {32: (2, 2), 48: (2, 3), 64: (2, 4), 80: (3, 5), 96: (3, 6)}  # d -> (layers, heads)
 MICRO_TOKENS_PER_ACTIVE_PARAM = 6
@@ -44,9 +45,7 @@ def micro_rung(d_model: int, steps: int | None = None) -> RunConfig:
     if d_model not in MICRO_SHAPES:
         raise ConfigError(f"no micro-ladder rung at width {d_model} (known: {sorted(MICRO_SHAPES)})")
     n_layers, n_heads = MICRO_SHAPES[d_model]
-    model = replace(TINY.model, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                    n_kv_heads=max(1, n_heads // 4), n_kv_heads_global=max(1, n_heads // 8),
-                    expert_width=d_model // 2, latent_width=d_model // 2, shared_width=d_model // 2)
+    model = ladder_shape(TINY.model, d_model, n_layers, n_heads)
     train = replace(TINY.train, optimizer="hero", eval_every=0, temp_checkpoint_minutes=1e6)
     if steps is None:
         steps = max(MICRO_MIN_STEPS,

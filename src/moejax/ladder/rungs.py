@@ -22,8 +22,8 @@ leaves room for reruns and ablations).
 from __future__ import annotations
 
 from moejax import accounting
-from moejax.config import (HERO, LADDER_BATCH, LADDER_SHAPES, TOKENS_PER_ACTIVE_PARAM, ConfigError, RunConfig,
-                           ladder_rung)
+from moejax.config import ConfigError, RunConfig
+from moejax.presets import HERO, LADDER_BATCH, LADDER_SHAPES, TOKENS_PER_ACTIVE_PARAM, ladder_rung
 from moejax.train.heuristic import optimizer_heuristic
 
 LADDER_WIDTHS = tuple(sorted(d for d in LADDER_SHAPES if d != HERO.model.d_model))

@@ -40,7 +40,7 @@ class Attention:
     conv_out: Float[Array, "J D"]
 
     @staticmethod
-    def init(key, cfg: ModelConfig) -> "Attention":
+    def init(cfg: ModelConfig, key) -> "Attention":
         kq, kk, kv, ko = jax.random.split(key, 4)
         d, std = cfg.d_model, cfg.init_std
         return Attention(wq=trunc_normal(kq, (d, cfg.q_dim), std), wk=trunc_normal(kk, (d, cfg.kv_dim), std),

@@ -46,7 +46,7 @@ class Norm:
     up: Float[Array, "R D"]
 
     @staticmethod
-    def init(key, d: int, rank: int, std: float) -> "Norm":
+    def init(d: int, rank: int, std: float, key) -> "Norm":
         k1, k2 = jax.random.split(key)
         return Norm(gain=jnp.ones((d,), jnp.float32), down=trunc_normal(k1, (d, rank), std),
                     up=trunc_normal(k2, (rank, d), std))

@@ -14,6 +14,7 @@ Notable choices:
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -34,11 +35,11 @@ class Block:
     moe: MoE
 
     @staticmethod
-    def init(key, cfg: ModelConfig) -> "Block":
+    def init(cfg: ModelConfig, key) -> "Block":
         k1, k2, k3, k4 = jax.random.split(key, 4)
         rank, std = cfg.gated_norm_rank, cfg.init_std
-        return Block(attn_norm=Norm.init(k1, cfg.d_model, rank, std), attn=Attention.init(k2, cfg),
-                     moe_norm=Norm.init(k3, cfg.d_model, rank, std), moe=MoE.init(k4, cfg))
+        return Block(attn_norm=Norm.init(cfg.d_model, rank, std, k1), attn=Attention.init(cfg, k2),
+                     moe_norm=Norm.init(cfg.d_model, rank, std, k3), moe=MoE.init(cfg, k4))
 
 
 @pytree_dataclass
@@ -53,11 +54,17 @@ class Transformer:
     def init(cfg: ModelConfig, key) -> "Transformer":
         ke, kn, kb, kf, kh = jax.random.split(key, 5)
         rank, std = cfg.gated_norm_rank, cfg.init_std
-        blocks = jax.vmap(lambda k: Block.init(k, cfg))(jax.random.split(kb, cfg.n_layers))
+        blocks = jax.vmap(lambda k: Block.init(cfg, k))(jax.random.split(kb, cfg.n_layers))
         return Transformer(embed=trunc_normal(ke, (cfg.vocab_size, cfg.d_model), std),
-                           embed_norm=Norm.init(kn, cfg.d_model, rank, std), blocks=blocks,
-                           final_norm=Norm.init(kf, cfg.d_model, rank, std),
+                           embed_norm=Norm.init(cfg.d_model, rank, std, kn), blocks=blocks,
+                           final_norm=Norm.init(cfg.d_model, rank, std, kf),
                            lm_head=trunc_normal(kh, (cfg.d_model, cfg.vocab_size), std))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Exact size of the parameter pytree, from the abstract initialisation (never allocated)."""
+    shapes = jax.eval_shape(lambda k: Transformer.init(cfg, k), jax.random.key(0))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 LayerHook = Callable[[dict], dict]

@@ -38,16 +38,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from moejax.config import BATCH_AXES
 from moejax.model.moe.experts import expert_mlp_batched
+from moejax.model.moe.layer import DropStats
+from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, EXPERT_AXIS, EXPERTS_SPEC, REPLICATED
 from moejax.parallel.transport_ops import combine_rows, gather_rows, rank_in_groups
-
-EXPERT_AXIS = "expert"
-TOKENS_SPEC = PartitionSpec(BATCH_AXES)
-EXPERTS_SPEC = PartitionSpec(EXPERT_AXIS)
 
 # Per-assignment transport outcome (debug output `status_TK`).
 PADDING, KEPT, SENDER_DROPPED, RECEIVER_DROPPED = 0, 1, 2, 3
@@ -207,11 +203,9 @@ def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down
     status_TK = jnp.select([kept_TK, plan.sender_dropped_TK, valid_TK], [KEPT, SENDER_DROPPED, RECEIVER_DROPPED],
                            PADDING).astype(jnp.int8)
     count = lambda x: jax.lax.psum(jnp.sum(x, dtype=jnp.int32), BATCH_AXES)
-    stats = {"kept": count(kept_TK), "sender_dropped": count(plan.sender_dropped_TK),
-             "receiver_dropped": jax.lax.psum(sum(recv_dropped), BATCH_AXES),  # counted where it happens
-             "padding_skipped": count(~valid_TK), "valid": count(valid_TK)}
-    dropped = stats["sender_dropped"] + stats["receiver_dropped"]
-    stats["overflow"] = dropped.astype(jnp.float32) / jnp.maximum(stats["valid"], 1).astype(jnp.float32)
+    stats = DropStats(valid=count(valid_TK), kept=count(kept_TK), sender_dropped=count(plan.sender_dropped_TK),
+                      receiver_dropped=jax.lax.psum(sum(recv_dropped), BATCH_AXES),  # counted where it happens
+                      padding_skipped=count(~valid_TK))
     return y_TZ, stats, status_TK
 
 
@@ -237,28 +231,21 @@ def routed_expert_parallel_debug(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF,
     sizes = transport_sizes(tokens, expert_TK.shape[1], n_shards, local_experts, waves, cf_send, cf_recv,
                             z_TZ.shape[1], jnp.dtype(z_TZ.dtype).itemsize)
     body = partial(_shard_body, sizes=sizes, waves=waves, n_shards=n_shards)
-    tok, exp = TOKENS_SPEC, EXPERTS_SPEC
-    specs = (tok, tok, tok, tok, exp, exp, exp)
-    args = (z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ)
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        # Explicit sharding types must match in_specs exactly; a no-op when the caller already lays
-        # tokens out over BATCH_AXES and the expert weights over `expert`.
-        args = tuple(jax.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, specs))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tok, PartitionSpec(), tok))
-    return fn(*args)
+    tok, exp = BATCH_SPEC, EXPERTS_SPEC
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, exp, exp, exp),
+                       out_specs=(tok, REPLICATED, tok))
+    return fn(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ)
 
 
 def routed_expert_parallel(z_TZ: Float[Array, "T Z"], expert_TK: Int[Array, "T K"], weight_TK: Float[Array, "T K"],
                            mask_T: Bool[Array, "T"], w_gate_EZF: Float[Array, "E Z F"],
                            w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"], *,
                            mesh: jax.sharding.Mesh, waves: int = 3, cf_send: float = 1.15, cf_recv: float = 1.15
-                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                           ) -> tuple[jax.Array, DropStats]:
     """Routed experts over the `expert` mesh axis with the pooled-wave transport (SPEC §3).
 
     Global (SPMD) arrays in, tokens sharded over BATCH_AXES, expert weights over `expert`. Returns y_TZ fp32
-    (sum over kept assignments, sharded like the tokens) and global int32 counts kept, sender_dropped,
-    receiver_dropped, padding_skipped, valid (kept + sender + receiver == valid) plus `overflow` (fp32 fraction
-    of valid assignments dropped).
+    (sum over kept assignments, sharded like the tokens) and the global DropStats counts.
     """
     y_TZ, stats, _ = routed_expert_parallel_debug(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF,
                                                   w_down_EFZ, mesh=mesh, waves=waves, cf_send=cf_send,

@@ -1,13 +1,15 @@
-"""The device mesh with the fixed axes (replica_dcn, data, expert, model) and the sharding rules.
+"""The mesh vocabulary: axis names, the PartitionSpecs, and how meshes are made (STYLE rule 3).
 
-All PartitionSpecs live here (STYLE rule 3):
-- tokens / batch: dim 0 over (replica_dcn, data, expert);
-- routed expert weights [L, E, ., .]: E over `expert`, replicated over replica_dcn and data;
+Axes are fixed: (replica_dcn, data, expert, model). All PartitionSpecs of the package are named here:
+- BATCH_SPEC: tokens / batch dim 0 over (replica_dcn, data, expert);
+- EXPERTS_SPEC: routed expert weights [E, ., .] over `expert` (stacked [L, E, ., .] in `param_spec`),
+  replicated over replica_dcn and data;
 - every other matrix: FSDP over (data, expert) on its largest divisible non-layer dim, replicated over
   replica_dcn (racks hold full replicas; only gradients cross the data-centre network);
-- scalars, router bias, QB bias, counters: replicated.
-Axes are `Auto` so jit propagates shardings through single-device model math (STYLE rule 2); the one
-manual region is the transport's `shard_map`.
+- REPLICATED: scalars, router bias, counters.
+One axis type: every mesh (concrete or abstract) has `Auto` axes, so jit propagates shardings through the
+single-device model math (STYLE rule 2) and GSPMD partitions global ops such as the QB histogram and the
+per-matrix optimizer norms; the one manual region is the transport's `shard_map`.
 """
 
 from __future__ import annotations
@@ -16,15 +18,31 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from moejax.config import BATCH_AXES, MESH_AXES, ConfigError, ParallelConfig
+from moejax.config import ConfigError, ParallelConfig
 
-BATCH_SPEC = P(BATCH_AXES)
-REPLICATED = P()
+MESH_AXES = ("replica_dcn", "data", "expert", "model")
+BATCH_AXES = ("replica_dcn", "data", "expert")  # the batch (and so the tokens) is split over these
+EXPERT_AXIS = "expert"
 FSDP_AXES = ("data", "expert")
+
+BATCH_SPEC = PartitionSpec(BATCH_AXES)
+EXPERTS_SPEC = PartitionSpec(EXPERT_AXIS)
+REPLICATED = PartitionSpec()
 ROUTED_EXPERT_FIELDS = ("w_gate", "w_up", "w_down")
+_AXIS_TYPES = (AxisType.Auto,) * len(MESH_AXES)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`replica_dcn=1,data=2,expert=4,model=1` -> dict; omitted axes are 1."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--mesh item {item!r} is not AXIS=N with AXIS one of {', '.join(MESH_AXES)} and N >= 1")
+        out[name] = int(value)
+    return out
 
 
 def make_mesh(p: ParallelConfig, devices=None) -> Mesh:
@@ -33,14 +51,19 @@ def make_mesh(p: ParallelConfig, devices=None) -> Mesh:
         raise ConfigError(f"mesh {dict(zip(MESH_AXES, p.mesh_shape))} needs {p.n_devices} devices, "
                           f"but only {len(devices)} are present")
     grid = np.asarray(devices[: p.n_devices]).reshape(p.mesh_shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(grid, MESH_AXES, axis_types=_AXIS_TYPES)
+
+
+def abstract_mesh(p: ParallelConfig) -> AbstractMesh:
+    """The mesh of `p` without devices: for lowering layouts larger than this machine (the 704-device hero)."""
+    return AbstractMesh(p.mesh_shape, MESH_AXES, axis_types=_AXIS_TYPES)
 
 
 def param_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
     name = path[-1].name if hasattr(path[-1], "name") else str(path[-1])
     in_blocks = any(getattr(k, "name", None) == "blocks" for k in path)
     if name in ROUTED_EXPERT_FIELDS:
-        return P(None, "expert") if in_blocks else P("expert")
+        return PartitionSpec(None, EXPERT_AXIS) if in_blocks else EXPERTS_SPEC
     fsdp = math.prod(mesh.shape[a] for a in FSDP_AXES)
     first = 1 if in_blocks else 0  # never shard the scanned layer axis
     if fsdp == 1 or len(shape) - first < 2:  # vectors (gains, biases) stay replicated
@@ -50,7 +73,7 @@ def param_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
         if shape[i] % fsdp == 0 and shape[i] >= fsdp:
             spec = [None] * len(shape)
             spec[i] = FSDP_AXES
-            return P(*spec)
+            return PartitionSpec(*spec)
     return REPLICATED
 
 
@@ -59,7 +82,7 @@ def param_shardings(params, mesh: Mesh):
                                             params)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
+def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, BATCH_SPEC)
 
 
@@ -76,19 +99,3 @@ def mirror_shardings(tree, params, params_sharding, mesh: Mesh):
         return by_path[best][1] if best else NamedSharding(mesh, REPLICATED)
 
     return jax.tree_util.tree_map_with_path(pick, tree)
-
-
-def under_gspmd(fn, like: jax.Array, *args, out_spec: P | None = None):
-    """fn(*args) with GSPMD choosing every intermediate sharding, also on Explicit mesh axes (where a
-    scatter from sharded indices or a product of differently sharded arrays fails at trace time).
-    The output is sharded like `like`, or by `out_spec`. With no Explicit axes it is just fn(*args)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    sharding = getattr(jax.typeof(like), "sharding", None)
-    if mesh.empty:  # no mesh context: take the mesh the (explicitly typed) array carries, if any
-        mesh = getattr(sharding, "mesh", mesh)
-    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Explicit)
-    if not explicit:
-        return fn(*args)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_spec if out_spec is not None
-                                      else sharding.spec)(*args)

@@ -1,51 +1,41 @@
-"""The training loop: run directory, data, state, jitted step, eval, metrics, summary.
+"""The training loop: set up once (mesh, data, state, jitted steps), then step, log, evaluate, checkpoint.
 
-Writes into RUN_DIR: `config.json` (the resolved RunConfig), `run_info.json` (git SHA, library versions,
-device topology, derived numbers), `metrics.jsonl` (one object per step), `summary.json`.
+The pieces it calls live with their owners: the run directory's files in `train.run_dir`, the optimizer in
+`train.optimizer`, state creation and placement in `train.state`, the MoE backend in `parallel.backends`,
+checkpoints in `moejax.checkpoint`, data in `moejax.data.pipeline`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
-import optax
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from moejax import accounting
-from moejax.config import ParallelConfig, RunConfig
+from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManager, PreemptionGuard, list_checkpoints,
+                               restore)
+from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.metrics import MetricsWriter, to_py
 from moejax.model.moe.layer import routed_local_with_stats
-from moejax.parallel.expert_parallel import routed_expert_parallel
-from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.parallel.backends import moe_backend
+from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import measure_matmul_peak
-from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManager, PreemptionGuard, list_checkpoints,
-                               restore)
-from moejax.train.heuristic import optimizer_heuristic
-from moejax.train.optimizer import hero_optimizer
-from moejax.train.schedule import warmup_linear_decay
-from moejax.train.state import TrainState, init_state
-from moejax.train.step import Offload, make_eval_step, make_train_step
-
-
-class RunError(RuntimeError):
-    """A user-facing problem with the run directory or the run itself (one line, exit 2)."""
+from moejax.train.optimizer import make_optimizer
+from moejax.train.run_dir import RunError, prepare_run_dir, read_summary, run_info, truncate_metrics, write_json
+from moejax.train.state import TrainState, init_state, place_state
+from moejax.train.step import make_eval_step, make_train_step
 
 
 class Preempted(RuntimeError):
@@ -66,90 +56,16 @@ class RunOptions:
     init_from: str = ""  # a checkpoint dir (or a run dir: its newest) whose weights start a *new* run
 
 
-def make_optimizer(cfg: RunConfig):
-    """(optimizer, {group: lr schedule}). `adam`: optax Adam on every leaf at train.learning_rate.
-    `hero`: MuonH/AdamH/Adam (SPEC §4) with the fitted heuristic for the lrs, eps and beta2 from
-    (total tokens, width, tokens per batch); AdamH (LM head) runs at the Adam peak."""
-    t = cfg.train
-    sched = lambda peak: warmup_linear_decay(peak, t.steps, t.warmup_fraction, t.min_lr_fraction)
-    if t.optimizer == "hero":
-        hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
-        opt = hero_optimizer(adam_lr=hp.adam_lr, muonh_lr=hp.muonh_lr, b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
-                             total_steps=t.steps, warmup_fraction=t.warmup_fraction, min_lr_fraction=t.min_lr_fraction)
-        return opt, {"muonh": sched(hp.muonh_lr), "adam": sched(hp.adam_lr)}
-    return optax.adam(sched(t.learning_rate), b1=t.b1, b2=t.b2, eps=t.eps), {"adam": sched(t.learning_rate)}
-
-
 def _primary() -> bool:
     return jax.process_index() == 0
-
-
-def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: bool = True) -> bool:
-    """Create the run dir and its config.json; True when it already holds this run (resume).
-    Only the primary process writes; the others only read what is there."""
-    cfg_path = run_dir / "config.json"
-    if not primary:
-        return cfg_path.exists() and not overwrite
-    if cfg_path.exists() and not overwrite:
-        try:
-            old = json.loads(cfg_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise RunError(f"run dir {run_dir} has an unreadable config.json ({e}); pass --overwrite to replace it")
-        # The mesh may change between restarts (checkpoints reshard on load); the model and schedule may not.
-        diff = _first_difference({k: v for k, v in old.items() if k != "parallel"},
-                                 {k: v for k, v in cfg.to_dict().items() if k != "parallel"})
-        if diff:
-            raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
-                           "choose another --run-dir or pass --overwrite")
-        _atomic_write(cfg_path, cfg.to_json())  # records the mesh this restart runs on
-        return True
-    if run_dir.exists() and overwrite:
-        shutil.rmtree(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write(cfg_path, cfg.to_json())
-    except OSError as e:
-        raise RunError(f"cannot write to run dir {run_dir}: {e.strerror or e}") from None
-    return False
-
-
-def _first_difference(old: dict, new: dict, prefix: str = "") -> str:
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            d = _first_difference(a, b, f"{prefix}{key}.")
-            if d:
-                return d
-        elif a != b:
-            return f"{prefix}{key}: {a!r} there, {b!r} now"
-    return ""
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def run_info(cfg: RunConfig, peak: float) -> dict:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        sha = ""
-    import importlib.metadata as md
-
-    versions = {p: md.version(p) for p in ("jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers")}
-    return {"git_sha": sha, "python": sys.version.split()[0], "versions": versions,
-            "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
-            "peak_flops": peak, "accounting": accounting.summary(cfg, exact=True)}
 
 
 def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dict:
     """Train (or resume) the run in `run_dir`; returns the summary. Raises RunError/ConfigError for user
     errors, Preempted after SIGTERM/SIGINT (a temporary checkpoint is then on disk)."""
     run_dir = Path(run_dir)
-    make_mesh(cfg.parallel)  # fail on a mesh larger than the machine before any data work
+    mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
+    moe_backend(cfg.parallel, mesh)  # before any data work
     if opts.init_from and not Path(opts.init_from).is_dir():
         raise RunError(f"--init-from {opts.init_from}: no such checkpoint or run directory")
     data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
@@ -157,9 +73,8 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
         resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
         peak = opts.peak_flops or measure_matmul_peak()
         if _primary():
-            info = {**run_info(cfg, peak), "data": data.describe()}
-            _atomic_write(run_dir / "run_info.json", json.dumps(info, indent=2))
-        return _train_loop(cfg, run_dir, opts, data, resuming, peak)
+            write_json(run_dir / "run_info.json", {**run_info(cfg, peak), "data": data.describe()})
+        return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh)
     except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
         raise RunError(str(e)) from None
     finally:
@@ -178,7 +93,7 @@ class _Session:
     bytes_per_token: jax.Array  # [V] UTF-8 bytes per id, for bits per byte
 
 
-def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data) -> _Session:
+def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data, mesh: Mesh) -> _Session:
     m, t = cfg.model, cfg.train
     optimizer, lr_fns = make_optimizer(cfg)
     try:
@@ -187,37 +102,37 @@ def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data
                                  model_config=dataclasses.asdict(m), run_config=cfg.to_dict())
     except CheckpointError as e:
         raise RunError(str(e)) from None
-    mesh = make_mesh(cfg.parallel)
     state = init_state(cfg, optimizer, jax.random.key(t.seed), mesh)
     state = _initial_state(state, ckpt, resuming, opts.init_from, optimizer, dataclasses.asdict(m))
     state, offload = place_state(state, t.opt_state_memory)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    routed = routed_backend(cfg.parallel, mesh)
+    routed = moe_backend(cfg.parallel, mesh)
     batch_sh = batch_sharding(mesh)
     step_fn = jax.jit(make_train_step(m, optimizer, lr_fns, routed, remat=opts.remat or t.remat, offload=offload),
                       donate_argnums=0, in_shardings=(state_sh, batch_sh),
-                      out_shardings=(state_sh, NamedSharding(mesh, P())))  # metrics replicated: any host reads them
+                      out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m))
+        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, routed_local_with_stats))
     return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
                     jnp.asarray(data.bytes_per_token))
 
 
 def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
-    params = s.state.compute  # device-resident, router bias included, as the train step saw it
+    params = s.state.compute  # device-resident, with the fp32 router bias the next train step routes with
     out = {}
     for prefix, fn in s.eval_fns.items():
         out.update(evaluate(fn, params, data.eval, n_batches, s.bytes_per_token, prefix, s.to_global))
     return out
 
 
-def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float) -> dict:
+def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float,
+                mesh: Mesh) -> dict:
     t = cfg.train
-    s = _setup(cfg, run_dir, opts, resuming, data)
+    s = _setup(cfg, run_dir, opts, resuming, data, mesh)
     start = int(s.state.step)
     if start:
-        _truncate_metrics(run_dir, start)
+        truncate_metrics(run_dir, start)
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project,
                            run_name=opts.wandb_run_name or run_dir.name, config=cfg.to_dict(), primary=_primary())
     fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
@@ -257,10 +172,10 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         writer.close()
         s.ckpt.close()
     if not history:  # the run had already finished: report it again
-        return json.loads((run_dir / "summary.json").read_text())
+        return read_summary(run_dir)
     summary = summarize(history, time.perf_counter() - t_start, cfg)
     if _primary():
-        _atomic_write(run_dir / "summary.json", json.dumps(summary, indent=2))
+        write_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -291,18 +206,10 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
             loaded, _ = restore(src, state, model_config=model_cfg)
             compute = jax.tree.map(lambda p, c: p.astype(c.dtype), loaded.params, state.compute)
             return TrainState(step=state.step, params=loaded.params, compute=compute,
-                              opt_state=optimizer.init(loaded.params), qb_bias=loaded.qb_bias, rng=state.rng)
+                              opt_state=optimizer.init(loaded.params), rng=state.rng)
     except CheckpointError as e:
         raise RunError(str(e)) from None
     return state
-
-
-def _truncate_metrics(run_dir: Path, start: int) -> None:
-    """Drop rows of steps that will be re-run after a resume, so metrics.jsonl has each step once."""
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
-        _atomic_write(path, "".join(r + "\n" for r in rows))
 
 
 def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=lambda b: b) -> dict:
@@ -316,31 +223,11 @@ def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=
             f"{prefix}drop_fraction": float(np.mean(drops))}
 
 
-def place_state(state: TrainState, memory: str) -> tuple[TrainState, Offload | None]:
-    """Keep fp32 master weights + optimizer state in `pinned_host` memory when asked (SPEC §4)."""
-    if memory == "device":
-        return state, None
-    dev = lambda tree: jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree)
-    host = lambda tree: jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), tree)
-    offload = Offload(params_device=dev(state.params), opt_device=dev(state.opt_state),
-                      params_host=host(state.params), opt_host=host(state.opt_state))
-    state = dataclasses.replace(state, params=jax.device_put(state.params, offload.params_host),
-                                opt_state=jax.device_put(state.opt_state, offload.opt_host))
-    return state, offload
-
-
-def routed_backend(p: ParallelConfig, mesh):
-    """The MoE path is configuration: pooled-wave EP when the expert axis is used, else local dropless."""
-    if not p.use_ep:
-        return routed_local_with_stats
-    return functools.partial(routed_expert_parallel, mesh=mesh, waves=p.waves, cf_send=p.cf_send, cf_recv=p.cf_recv)
-
-
 def _check_finite(step: int, metrics: dict, run_dir: Path) -> None:
     for key in ("train/loss", "train/grad_norm"):
         v = metrics[key]
         if isinstance(v, str) or not np.isfinite(v):
-            _atomic_write(run_dir / "nonfinite.json", json.dumps({"step": step, **metrics}, default=str))
+            write_json(run_dir / "nonfinite.json", {"step": step, **metrics}, default=str)
             raise RunError(f"non-finite {key} ({v}) at step {step}; metrics written to {run_dir / 'nonfinite.json'}")
 
 

@@ -1,9 +1,12 @@
-"""The hero optimizer (SPEC §4): MuonH for weight matrices, AdamH for the LM head, Adam for the rest.
+"""The optimizers: `make_optimizer(cfg)` builds the run's, and the hero optimizer (SPEC §4) is defined here:
+MuonH for weight matrices, AdamH for the LM head, Adam for the rest.
 
 Groups are chosen by the parameter's field name (the last key of its pytree path), never by shape:
   muonh  Nesterov momentum -> quintic Newton-Schulz (bf16) -> sqrt(max(1, fan_out/fan_in)) -> hyperball
   adamh  Adam direction -> hyperball
   adam   plain Adam (optional decoupled weight decay on `head_gate` and `router` only)
+  frozen the QB router bias: set by quantile balancing each step (train/step.py), never by the
+         optimizer, so it gets zero updates and no optimizer state
 The hyperball step (Wen et al. 2025, "Hyperball optimization"; used by the public run) moves each
 matrix by a *relative* amount and keeps its Frobenius norm fixed:
   W' = W - lr * u * ||W|| / ||u||,   then  W' <- W' * ||W|| / ||W'||
@@ -12,10 +15,9 @@ stacked [L, E, Z, F] expert weight has one norm per layer and per expert. It nee
 so the transformation returns `new_params - params` as the update (optax.apply_updates then lands on
 the new params). All math is fp32 on global arrays; under jit, GSPMD partitions the norms correctly for
 any sharding (SPEC §6: "norms of sharded matrices computed wrongly" -- tests/test_optimizer.py checks
-sharded vs unsharded parity). No shard_map here on purpose. On a mesh with Explicit axes the per-matrix
-math (Newton-Schulz, hyperball) runs under `auto_axes`, so GSPMD picks its internal layout and the
-result comes back sharded exactly like the parameter (the public run hit a ShardingTypeError when a
-Muon direction's sharding differed from its stacked expert parameter's).
+sharded vs unsharded parity). No shard_map here on purpose: meshes have Auto axes
+(`moejax.parallel.mesh`), so GSPMD lays out the per-matrix math and the result is sharded like the
+parameter.
 
 Notes:
 - Because the hyperball step divides by ||u||, any per-matrix scale of u (momentum normalisation, the
@@ -35,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moejax.parallel.mesh import under_gspmd
+from moejax.config import RunConfig
+from moejax.train.heuristic import optimizer_heuristic
 from moejax.train.schedule import warmup_linear_decay
 
 MUONH_FIELDS = frozenset({
@@ -46,8 +49,9 @@ MUONH_FIELDS = frozenset({
     "shared_gate", "shared_up", "shared_down",  # shared experts [L, S, D, F] / [L, S, F, D]
 })
 ADAMH_FIELDS = frozenset({"lm_head"})
-ADAM_FIELDS = frozenset({"embed", "router", "router_bias", "head_gate", "gain", "lat_norm", "conv_k", "conv_out"})
-# SPEC §4: "optional 0.02 decay on head gate and router" -- never on the (untrained) router bias.
+ADAM_FIELDS = frozenset({"embed", "router", "head_gate", "gain", "lat_norm", "conv_k", "conv_out"})
+FROZEN_FIELDS = frozenset({"router_bias"})  # owned by quantile balancing, not by the optimizer
+# SPEC §4: "optional 0.02 decay on head gate and router".
 WEIGHT_DECAY_FIELDS = frozenset({"head_gate", "router"})
 
 # Quintic Newton-Schulz coefficients (Keller Jordan's Muon; optax.contrib's default).
@@ -67,15 +71,17 @@ def leaf_name(path: tuple) -> str:
 
 
 def param_group(path: tuple) -> str:
-    """'muonh' | 'adamh' | 'adam' for the parameter at `path`, by its field name."""
+    """'muonh' | 'adamh' | 'adam' | 'frozen' for the parameter at `path`, by its field name."""
     name = leaf_name(path)
+    if name in FROZEN_FIELDS:
+        return "frozen"
     if name in MUONH_FIELDS:
         return "muonh"
     if name in ADAMH_FIELDS:
         return "adamh"
     if name in ADAM_FIELDS:
         return "adam"
-    known = sorted(MUONH_FIELDS | ADAMH_FIELDS | ADAM_FIELDS)
+    known = sorted(MUONH_FIELDS | ADAMH_FIELDS | ADAM_FIELDS | FROZEN_FIELDS)
     raise ValueError(f"parameter {jax.tree_util.keystr(tuple(path))!r} has unknown field name {name!r}; "
                      f"add it to a group in moejax.train.optimizer (known: {', '.join(known)})")
 
@@ -127,7 +133,7 @@ def scale_by_newton_schulz(ns_steps: int = 5) -> optax.GradientTransformation:
         def direction(u):
             return _shape_scale(u) * newton_schulz(u, ns_steps)
 
-        return jax.tree.map(lambda u: under_gspmd(direction, u, u), updates), state
+        return jax.tree.map(direction, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
@@ -160,34 +166,57 @@ def scale_by_hyperball(learning_rate: optax.ScalarOrSchedule) -> optax.GradientT
         if params is None:
             raise ValueError("the hyperball step needs the current params: call update(grads, state, params)")
         lr = jnp.asarray(schedule(state.count), jnp.float32)
-        deltas = jax.tree.map(lambda u, w: under_gspmd(hyperball_delta, w, u, w, lr), updates, params)
+        deltas = jax.tree.map(lambda u, w: hyperball_delta(u, w, lr), updates, params)
         return deltas, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def hero_optimizer(*, adam_lr: float, muonh_lr: float, b1: float, b2: float, eps: float, total_steps: int,
-                   warmup_fraction: float = 0.01, min_lr_fraction: float = 0.05, ns_steps: int = 5,
-                   nesterov_momentum: float = 0.95, weight_decay: float = 0.0) -> optax.GradientTransformation:
-    """SPEC §4 optimizer: MuonH / AdamH / Adam partitioned by `param_group`, one shared schedule shape.
+def hero_optimizer(*, adam_lr: optax.ScalarOrSchedule, muonh_lr: optax.ScalarOrSchedule, b1: float, b2: float,
+                   eps: float, ns_steps: int = 5, nesterov_momentum: float = 0.95,
+                   weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """SPEC §4 optimizer: MuonH / AdamH / Adam partitioned by `param_group` (the router bias frozen).
 
-    AdamH (the LM head) runs on the Adam peak lr: SPEC §4 gives only the two peaks (adam, muonh).
+    The learning rates are peaks or schedules (`make_optimizer` passes the warmup + linear-decay ones).
+    AdamH (the LM head) runs on the Adam rate.
     `weight_decay` > 0 adds decoupled (lr-scaled, optax.adamw) decay to `head_gate` and `router` only.
     """
     if weight_decay < 0:
         raise ValueError(f"weight_decay ({weight_decay}) must be non-negative")
-    adam_schedule = warmup_linear_decay(adam_lr, total_steps, warmup_fraction, min_lr_fraction)
-    muonh_schedule = warmup_linear_decay(muonh_lr, total_steps, warmup_fraction, min_lr_fraction)
     return optax.partition(
         {
             "muonh": optax.chain(
                 optax.trace(decay=nesterov_momentum, nesterov=True),
                 scale_by_newton_schulz(ns_steps),
-                scale_by_hyperball(muonh_schedule),
+                scale_by_hyperball(muonh_lr),
             ),
-            "adamh": optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_hyperball(adam_schedule)),
-            "adam": optax.adamw(adam_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                                mask=_weight_decay_mask),
+            "adamh": optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_hyperball(adam_lr)),
+            "adam": optax.adamw(adam_lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_weight_decay_mask),
+            "frozen": optax.set_to_zero(),
         },
         param_labels,
     )
+
+
+def _frozen_or(name: str, path: tuple) -> str:
+    return "frozen" if leaf_name(path) in FROZEN_FIELDS else name
+
+
+def make_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, dict[str, optax.Schedule]]:
+    """(optimizer, {group: lr schedule}) of a run; each schedule is built once and shared with the metrics.
+
+    `adam`: optax Adam on every trained leaf at train.learning_rate. `hero`: MuonH/AdamH/Adam (SPEC §4) with
+    the fitted heuristic for the lrs, eps and beta2 from (total tokens, width, tokens per batch).
+    """
+    t = cfg.train
+    sched = lambda peak: warmup_linear_decay(peak, t.steps, t.warmup_fraction, t.min_lr_fraction)
+    if t.optimizer == "hero":
+        hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
+        lr_fns = {"muonh": sched(hp.muonh_lr), "adam": sched(hp.adam_lr)}
+        opt = hero_optimizer(adam_lr=lr_fns["adam"], muonh_lr=lr_fns["muonh"], b1=hp.beta1, b2=hp.beta2, eps=hp.eps)
+        return opt, lr_fns
+    lr_fns = {"adam": sched(t.learning_rate)}
+    labels = lambda params: jax.tree_util.tree_map_with_path(lambda path, _: _frozen_or("adam", path), params)
+    opt = optax.partition({"adam": optax.adam(lr_fns["adam"], b1=t.b1, b2=t.b2, eps=t.eps),
+                           "frozen": optax.set_to_zero()}, labels)
+    return opt, lr_fns

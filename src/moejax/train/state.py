@@ -1,58 +1,92 @@
-"""The train state: one frozen pytree that round-trips through checkpoints unchanged.
+"""The train state: one frozen pytree that round-trips through checkpoints unchanged, and where it lives.
 
 `params` are the fp32 master weights (with the optimizer state, in host memory when
 `opt_state_memory=pinned_host`); `compute` is their copy in the model's compute dtype, always in device
 memory, which the forward and backward read (SPEC §4: the device holds the bf16 compute copy).
-`qb_bias` is the quantile-balancing router bias computed from this step's routing, applied at the start
-of the next step (SPEC §2); `rng` is raw uint32 key data so the state is plain arrays.
+The QB router bias is a model leaf (`params.blocks.moe.router_bias`) with one owner: the train step
+writes next step's bias into it (SPEC §2); the optimizer never touches it, and the compute copy keeps it
+in fp32 so training and eval route with the same bias. `rng` is raw uint32 key data so the state is
+plain arrays.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from moejax.model.layers import pytree_dataclass
 from moejax.model.transformer import Transformer
+from moejax.parallel.mesh import REPLICATED, mirror_shardings, param_shardings
+
+FP32_LEAVES = frozenset({"router_bias"})  # kept in fp32 in the compute copy: routing decisions are fp32
 
 
 @pytree_dataclass
 class TrainState:
     step: jax.Array  # int32 scalar
     params: Transformer  # fp32 master weights
-    compute: Transformer  # the master in compute dtype, on device
+    compute: Transformer  # the master in compute dtype (router bias fp32), on device
     opt_state: Any
-    qb_bias: jax.Array  # [L, E] pending router bias
     rng: jax.Array  # uint32 key data
 
 
 def compute_copy(params: Transformer, dtype) -> Transformer:
-    return jax.tree.map(lambda p: p.astype(dtype), params)
+    def cast(path, p):
+        return p if getattr(path[-1], "name", None) in FP32_LEAVES else p.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
     """Fresh state; with a mesh, parameters are created sharded (never materialised whole on one device)
     and the optimizer state inherits their shardings."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from moejax.parallel.mesh import mirror_shardings, param_shardings
-
     dtype = jnp.dtype(cfg.model.compute_dtype)
+    init = lambda k: Transformer.init(cfg.model, k)
     if mesh is None:
-        params = Transformer.init(cfg.model, key)
+        params = init(key)
         opt_state = optimizer.init(params)
         compute = compute_copy(params, dtype)
         put = lambda x: x
     else:
-        abstract = jax.eval_shape(lambda k: Transformer.init(cfg.model, k), key)
+        abstract = jax.eval_shape(init, key)
         params_sh = param_shardings(abstract, mesh)
-        params = jax.jit(lambda k: Transformer.init(cfg.model, k), out_shardings=params_sh)(key)
+        params = jax.jit(init, out_shardings=params_sh)(key)
         opt_sh = mirror_shardings(jax.eval_shape(optimizer.init, abstract), abstract, params_sh, mesh)
         opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
         compute = jax.jit(lambda p: compute_copy(p, dtype), out_shardings=params_sh)(params)
-        put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, REPLICATED))
     return TrainState(step=put(jnp.zeros((), jnp.int32)), params=params, compute=compute, opt_state=opt_state,
-                      qb_bias=put(jnp.zeros((cfg.model.n_layers, cfg.model.n_experts), jnp.float32)),
                       rng=put(jax.random.key_data(jax.random.fold_in(key, 1))))
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where the fp32 master weights and optimizer state live between steps (SPEC §4 pinned host).
+
+    Each field is a sharding pytree; `host` ones carry memory_kind="pinned_host". Inside the jitted step
+    they are moved to device memory for the update only (the forward/backward read the compute copy),
+    then back to host.
+    """
+
+    params_device: object
+    opt_device: object
+    params_host: object
+    opt_host: object
+
+
+def place_state(state: TrainState, memory: str) -> tuple[TrainState, Offload | None]:
+    """Keep fp32 master weights + optimizer state in `pinned_host` memory when asked (SPEC §4)."""
+    if memory == "device":
+        return state, None
+    dev = lambda tree: jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), tree)
+    host = lambda tree: jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), tree)
+    offload = Offload(params_device=dev(state.params), opt_device=dev(state.opt_state),
+                      params_host=host(state.params), opt_host=host(state.opt_state))
+    state = dataclasses.replace(state, params=jax.device_put(state.params, offload.params_host),
+                                opt_state=jax.device_put(state.opt_state, offload.opt_host))
+    return state, offload

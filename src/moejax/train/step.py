@@ -1,12 +1,13 @@
 """The jitted train and eval steps.
 
-One step: apply the pending QB bias to the router, loss and grads (single-device model math; the MoE
-backend is injected), optimizer update, new pending QB bias, and the step's metrics as device scalars.
+One step: loss and grads (single-device model math; the MoE backend is injected) with the router bias the
+previous step's routing set, optimizer update, then this step's QB bias written into the router-bias
+leaf for the next step, and the step's metrics as device scalars.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import jax
@@ -16,11 +17,12 @@ import optax
 from moejax.config import ModelConfig
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
-from moejax.model.transformer import drop_token_stats, model_loss
-from moejax.train.state import TrainState, compute_copy
+from moejax.model.transformer import Transformer, drop_token_stats, model_loss
+from moejax.train.state import Offload, TrainState, compute_copy
 
 
-def with_router_bias(params, bias_LE):
+def with_router_bias(params: Transformer, bias_LE: jax.Array) -> Transformer:
+    """`params` with the QB router bias leaf replaced (the one place the bias is written)."""
     moe = replace(params.blocks.moe, router_bias=bias_LE)
     return replace(params, blocks=replace(params.blocks, moe=moe))
 
@@ -55,21 +57,6 @@ def qb_hook(cfg: ModelConfig):
     return hook
 
 
-@dataclass(frozen=True)
-class Offload:
-    """Where the fp32 master weights and optimizer state live between steps (SPEC §4 pinned host).
-
-    Each field is a sharding pytree; `host` ones carry memory_kind="pinned_host". Inside the jitted step
-    they are moved to device memory for the update only (the forward/backward read the compute copy),
-    then back to host.
-    """
-
-    params_device: object
-    opt_device: object
-    params_host: object
-    opt_host: object
-
-
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fns: dict[str, Callable],
                     routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None):
     layer_hook = qb_hook(cfg) if cfg.qb else None
@@ -77,7 +64,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     def train_step(state: TrainState, batch: dict):
         # Forward and backward read the device-resident compute copy (upcast: fp32 leaves give fp32 grads
         # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
-        fwd_params = with_router_bias(jax.tree.map(lambda c: c.astype(jnp.float32), state.compute), state.qb_bias)
+        # The router bias in it is the QB bias computed at the previous step.
+        fwd_params = jax.tree.map(lambda c: c.astype(jnp.float32), state.compute)
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
 
@@ -85,11 +73,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         if offload is not None:  # host -> device, for the update only
             master = jax.device_put(master, offload.params_device)
             opt_state = jax.device_put(opt_state, offload.opt_device)
-        master = with_router_bias(master, state.qb_bias)
-        updates, opt_state = optimizer.update(grads, opt_state, master)
+        updates, opt_state = optimizer.update(grads, opt_state, master)  # the router bias is frozen there
         new_master = optax.apply_updates(master, updates)
         layers = aux["layers"]
-        qb_bias = layers.pop("qb_bias", state.qb_bias)
         metrics = {
             "train/loss": loss,
             "train/cross_entropy_loss": aux["cross_entropy_loss"],
@@ -103,13 +89,14 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
             "train/router/load": layers["load"],
             **moe_metrics(layers, cfg.n_layers),
         }
-        new_master = with_router_bias(new_master, qb_bias)
+        if "qb_bias" in layers:  # this step's routing sets the bias the next step routes with
+            new_master = with_router_bias(new_master, layers.pop("qb_bias"))
         new_compute = compute_copy(new_master, jnp.dtype(cfg.compute_dtype))
         if offload is not None:  # device -> host: only the compute copy stays on the accelerator
             new_master = jax.device_put(new_master, offload.params_host)
             opt_state = jax.device_put(opt_state, offload.opt_host)
         new_state = TrainState(step=state.step + 1, params=new_master, compute=new_compute, opt_state=opt_state,
-                               qb_bias=qb_bias, rng=state.rng)
+                               rng=state.rng)
         return new_state, metrics
 
     return train_step

@@ -12,8 +12,6 @@ no gradient) with linear interpolation inside the bin, as in the public run. Cou
 into an [E, N] table, so memory is O(T*E + E*N) (no [T, E, N] tensor) and the counts stay exact far
 beyond fp32's 2**24. Everything is plain global jnp: under jit with sharded margins, GSPMD turns the
 min/max and the scatter-add into partial results plus all-reduces, so the estimate is the global one.
-On a mesh with Explicit axes a scatter from token-sharded indices has no typed sharding, so the
-estimate runs under `auto_axes` (GSPMD picks the layout; the [E] result comes back replicated).
 `qb_bias_exact` (per-expert sort) is the slow reference the tests tie it to.
 """
 
@@ -21,10 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float
-
-from moejax.parallel.mesh import under_gspmd
 
 
 def _target_count(mask_T: Bool[Array, "T"], top_k: int, num_experts: int) -> Float[Array, ""]:
@@ -44,9 +39,7 @@ def qb_threshold(margins_TE: Float[Array, "T E"], mask_T: Bool[Array, "T"], top_
     """Histogram estimate of beta_e: the value that n = T_valid*K/E valid tokens' margins exceed."""
     if n_bins < 1:
         raise ValueError(f"n_bins ({n_bins}) must be at least 1")
-    margins_TE = jnp.asarray(margins_TE)
-    return under_gspmd(lambda m, k: _histogram_threshold(m, k, top_k, n_bins), margins_TE, margins_TE,
-                       jnp.asarray(mask_T), out_spec=P())
+    return _histogram_threshold(jnp.asarray(margins_TE), jnp.asarray(mask_T), top_k, n_bins)
 
 
 def _histogram_threshold(margins_TE, mask_T, top_k: int, n_bins: int):
@@ -89,9 +82,7 @@ def qb_threshold_exact(margins_TE: Float[Array, "T E"], mask_T: Bool[Array, "T"]
 
     The histogram estimate lies in the same bin as this value, so they differ by at most one bin width.
     """
-    margins_TE = jnp.asarray(margins_TE)
-    return under_gspmd(lambda m, k: _sorted_threshold(m, k, top_k), margins_TE, margins_TE, jnp.asarray(mask_T),
-                       out_spec=P())
+    return _sorted_threshold(jnp.asarray(margins_TE), jnp.asarray(mask_T), top_k)
 
 
 def _sorted_threshold(margins_TE, mask_T, top_k: int):

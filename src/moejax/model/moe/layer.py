@@ -6,12 +6,13 @@ S shared experts, Fs shared width.
 The routed experts read and write a Z-wide latent: z = RMSNorm(m W_down_lat), experts combine in latent
 space, then W_up_lat maps back to D. *Which* routed implementation runs is a parameter (`routed`): the
 dropless local path, the pooled-wave expert-parallel transport, or the dense reference — same weights,
-same call (STYLE rule 2). Each returns (y_TZ fp32, drop stats).
+same call (STYLE rule 2). Each returns (y_TZ fp32, DropStats); the choice between them is made in one
+place, `moejax.parallel.backends`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,19 @@ from moejax.model.layers import init_conv, pytree_dataclass, rms_norm, sconv, sw
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.router import route, router_stats
 
-RoutedFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+class DropStats(NamedTuple):
+    """Global int32 assignment counts of one MoE layer: kept + sender_dropped + receiver_dropped == valid."""
+
+    valid: jax.Array  # assignments of real (non-padding) tokens: tokens * K
+    kept: jax.Array
+    sender_dropped: jax.Array  # over the sender pool P (transport only)
+    receiver_dropped: jax.Array  # over the receiver capacity R (transport only)
+    padding_skipped: jax.Array  # assignments of padding tokens, never sent
+
+
+# (z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ) -> (y_TZ fp32, DropStats)
+RoutedFn = Callable[..., tuple[jax.Array, DropStats]]
 
 
 @pytree_dataclass
@@ -41,7 +54,7 @@ class MoE:
     conv_out: Float[Array, "J D"]
 
     @staticmethod
-    def init(key, cfg: ModelConfig) -> "MoE":
+    def init(cfg: ModelConfig, key) -> "MoE":
         ks = jax.random.split(key, 9)
         d, z, f, e = cfg.d_model, cfg.latent_width, cfg.expert_width, cfg.n_experts
         ns, fs, std = cfg.n_shared, cfg.shared_width, cfg.init_std
@@ -53,14 +66,14 @@ class MoE:
                    shared_down=trunc_normal(ks[8], (ns, fs, d), std), conv_out=init_conv(cfg.conv_taps, d))
 
 
-def routed_local_with_stats(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_down):
+def routed_local_with_stats(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_down) -> tuple[jax.Array, DropStats]:
     """The dropless local path with the same stats contract as the transport (nothing dropped)."""
     y = routed_local(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_down)
     k = expert_TK.shape[1]
     valid = jnp.sum(mask_T).astype(jnp.int32) * k
     zero = jnp.zeros((), jnp.int32)
-    return y, {"valid": valid, "kept": valid, "sender_dropped": zero, "receiver_dropped": zero,
-               "padding_skipped": (mask_T.shape[0] * k - valid).astype(jnp.int32)}
+    return y, DropStats(valid=valid, kept=valid, sender_dropped=zero, receiver_dropped=zero,
+                        padding_skipped=(mask_T.shape[0] * k - valid).astype(jnp.int32))
 
 
 def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cfg: ModelConfig,
@@ -77,6 +90,6 @@ def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], 
     for s in range(cfg.n_shared):
         y_TD = y_TD + swiglu(m_TD, p.shared_gate[s].astype(dt), p.shared_up[s].astype(dt), p.shared_down[s].astype(dt))
     out = sconv(y_TD.reshape(bsz, seq, d), p.conv_out, segment_ids)
-    stats = {**router_stats(r, mask_T), **drops,  # margins and mask feed QB (layer hook), then are dropped
+    stats = {**router_stats(r, mask_T), **drops._asdict(),  # margins and mask feed QB (layer hook), then are dropped
              "margins": r.logits_TE - r.threshold_T[:, None], "token_mask": mask_T}
     return out, stats

@@ -1,0 +1,82 @@
+"""The named presets and the ladder rule: tiny (the CPU demo), the ladder rungs d768…d2048, hero.
+
+Everything here is a `RunConfig` built from the dataclasses in `moejax.config`; nothing else in the
+package defines a preset. `preset(name)` is what the CLI calls.
+
+Sources: SPEC §1 (hero table), §5 (ladder rule, context extension).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moejax.accounting import active_params
+from moejax.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+
+HERO_MODEL = ModelConfig()  # the dataclass defaults are the hero (SPEC §1)
+# Memory settings of the hero (moejax plan hero): stream the LM head over 16K-wide vocab blocks and
+# attention over 512-query blocks, remat every block. They change no value, only what is live at once.
+HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
+# The seed's context extension (SPEC §5): 4K (twice the sequences per batch, for expert balancing) -> 8K
+# at 50%, -> 65K at 95%, a 262K phase near the end, tokens per step fixed. The 262K phase has 176
+# sequences for 704 devices: it needs sequence parallelism, which moejax lacks so far.
+HERO_CONTEXT_SCHEDULE = "0.5:8192,0.95:65536,0.99:262144"
+
+HERO = RunConfig(
+    name="hero",
+    model=replace(HERO_MODEL, **HERO_MEMORY),
+    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host",
+                      remat=True),
+    parallel=ParallelConfig(replica_dcn=11, data=1, expert=64, model=1),
+    data=DataConfig(context_schedule=HERO_CONTEXT_SCHEDULE),
+)
+
+# ---- the ladder rule (SPEC §5) ----------------------------------------------------------------------
+# Width -> (layers, heads); head dim 128. 6144 is the hero itself.
+LADDER_SHAPES = {768: (8, 6), 1024: (12, 8), 1536: (16, 12), 2048: (22, 16), 6144: (48, 48)}
+TOKENS_PER_ACTIVE_PARAM = 791  # steps = round(791 * active params / tokens per step)
+LADDER_BATCH = 1024  # sequences per step (one rack)
+
+
+def ladder_shape(base: ModelConfig, d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
+    """`base` at another width: KV heads local H//4, global max(1, H//8); expert = latent = shared width d/2.
+    The one place this rule is written; the ladder rungs and the CPU micro-ladder both call it."""
+    return replace(base, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                   n_kv_heads=max(1, n_heads // 4), n_kv_heads_global=max(1, n_heads // 8),
+                   expert_width=d_model // 2, latent_width=d_model // 2, shared_width=d_model // 2)
+
+
+def ladder_rung(d_model: int) -> RunConfig:
+    """The ladder rung at this width: shapes from LADDER_SHAPES, steps from 791 tokens/active param."""
+    if d_model not in LADDER_SHAPES:
+        raise ConfigError(f"no ladder rung at width {d_model} (known: {sorted(LADDER_SHAPES)})")
+    model = ladder_shape(replace(HERO_MODEL, **HERO_MEMORY), d_model, *LADDER_SHAPES[d_model])
+    train = TrainConfig(seq_len=4096, batch_size=LADDER_BATCH, steps=1, optimizer="hero")
+    steps = round(TOKENS_PER_ACTIVE_PARAM * active_params(model) / train.tokens_per_step)
+    return RunConfig(name=f"d{d_model}", model=model, train=replace(train, steps=steps),
+                     parallel=ParallelConfig(expert=64))
+
+
+# The CPU demo: every hero feature at toy size (local + global layers, split KV heads, window < seq,
+# 16 experts top-2 divisible by 8, 2 shared experts, latent narrower than the width).
+TINY = RunConfig(
+    name="tiny",
+    model=replace(HERO_MODEL, vocab_size=2048, d_model=128, n_layers=4, n_heads=8, head_dim=16,
+                  n_kv_heads=2, n_kv_heads_global=1, window=64, rope_dim=8, gated_norm_rank=16,
+                  n_experts=16, top_k=2, expert_width=64, latent_width=64, n_shared=2, shared_width=64),
+    train=TrainConfig(seq_len=128, batch_size=16, steps=300, optimizer="hero", warmup_fraction=0.05,
+                      eval_every=100, b2=0.99, checkpoint_every=100, temp_checkpoint_minutes=2.0),
+    parallel=ParallelConfig(),
+)
+
+PRESET_NAMES = ("tiny", "d768", "d1024", "d1536", "d2048", "hero")
+
+
+def preset(name: str) -> RunConfig:
+    if name == "tiny":
+        return TINY
+    if name == "hero":
+        return HERO
+    if name in PRESET_NAMES:
+        return ladder_rung(int(name[1:]))
+    raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESET_NAMES)})")
