@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from moejax import checkpoint as ck
+from moejax.diffs import first_difference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,14 +110,14 @@ def test_newest_temporary_kept_and_old_deleted_only_after_newer_completes(tmp_pa
     mgr.save(5, tiny_state(5), kind="temporary")
     mgr.wait()
     gate = threading.Event()
-    real_write = ck._atomic_write
+    real_write = ck.atomic_write
 
     def gated_write(path, data):
         if path.name == ck.MARKER:  # hold the commit of step 9 just before its marker
             assert gate.wait(timeout=30)
         real_write(path, data)
 
-    monkeypatch.setattr(ck, "_atomic_write", gated_write)
+    monkeypatch.setattr(ck, "atomic_write", gated_write)
     mgr.save(9, tiny_state(9), kind="temporary")
     assert steps_on_disk(tmp_path) == [5]  # older temporary kept while the newer one is in flight
     assert steps_on_disk(tmp_path, complete=False) == [9]
@@ -143,14 +144,14 @@ def test_buffers_may_be_donated_once_save_returns(tmp_path):
 
 
 def test_failed_commit_surfaces_and_leaves_no_marker(tmp_path, monkeypatch):
-    real_write = ck._atomic_write
+    real_write = ck.atomic_write
 
     def failing_write(path, data):
         if path.name == ck.MARKER:
             raise OSError(28, "No space left on device")
         real_write(path, data)
 
-    monkeypatch.setattr(ck, "_atomic_write", failing_write)
+    monkeypatch.setattr(ck, "atomic_write", failing_write)
     mgr = ck.CheckpointManager(tmp_path, permanent_every=1)
     mgr.save(1, tiny_state(1))
     with pytest.raises(ck.CheckpointError, match="save failed.*No space left"):
@@ -325,6 +326,15 @@ def test_incompatible_config_names_field(tmp_path):
         ck.check_compatible(saved_cfg, {**saved_cfg, "seq_len": 4096})
     ck.check_compatible(saved_cfg, {**saved_cfg, "seq_len": 4096}, ignore=["seq_len"])
     ck.check_compatible({"shape": [1, 2]}, {"shape": (1, 2)})  # tuples survive the JSON round trip
+
+
+def test_first_difference_names_the_dotted_field():
+    old = {"model": {"n_layers": 2, "d_model": 8}, "seed": 0}
+    assert first_difference(old, old) == ""
+    assert first_difference(old, {**old, "model": {"n_layers": 3, "d_model": 8}}) == "model.n_layers: 2 there, 3 now"
+    assert first_difference(old, {**old, "extra": 1}) == "extra: '<missing>' there, 1 now"
+    assert first_difference({**old, "extra": 1}, old) == "extra: 1 there, '<missing>' now"
+    assert first_difference(old, {**old, "seed": 1}, ignore=["seed"]) == ""
 
 
 # ----------------------------------------------------------------------------- errors, preemption

@@ -10,7 +10,7 @@ import pytest
 from moejax.cli import main
 from moejax.data.prepare import prepare
 from moejax.data.sources import ReadOptions
-from moejax.data.store import open_store, sha256_file
+from moejax.data.store import StoreError, StoreWriter, open_store, sha256_file
 from moejax.data.tokenizer import Tokenizer
 
 DOCS_A = ["In the beginning was the word.", "Ünïcödé — ok ✓ 中文", "line one\nline two\n\n  spaced  "]
@@ -160,11 +160,43 @@ def test_check_errors_are_one_line_exit_2(sets, words, corpus, tmp_path, capsys)
     assert words in err and err.count("\n") == 1, err
 
 
-def test_kjv_prepared_by_the_cli_matches_the_embedded_default(tmp_path):
-    from moejax.data.pipeline import kjv_store
+def test_a_store_finished_first_is_never_replaced_without_overwrite(tmp_path):
+    """Two writers racing on one --out: the first commit wins whole, the second fails and leaves nothing."""
+    first, second = StoreWriter(tmp_path / "out"), StoreWriter(tmp_path / "out")
+    first.commit({"sources": {}, "writer": 1})
+    with pytest.raises(StoreError, match="already exists"):
+        second.commit({"sources": {}, "writer": 2})
+    second.abort()
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["writer"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
-    prepare({"kjv": ["builtin:kjv"]}, "bpe:2048", str(tmp_path / "kjv"), progress=False)
-    disk, embedded = open_store(str(tmp_path / "kjv")), kjv_store(2048)
-    np.testing.assert_array_equal(disk.sources["kjv"].doc_offsets, embedded.sources["kjv"].doc_offsets)
-    np.testing.assert_array_equal(disk.sources["kjv"].tokens, embedded.sources["kjv"].tokens)
-    np.testing.assert_array_equal(disk.bytes_per_token, embedded.bytes_per_token)
+
+def test_embedded_kjv_is_a_prepared_store_built_once_in_the_cache(tmp_path, monkeypatch):
+    """`kjv_store` is `moejax data prepare --source kjv=builtin:kjv`, written once into MOEJAX_CACHE; a
+    process that loses the first-use race opens the winner's store, a real failure still raises."""
+    import moejax.data.corpus as corpus
+    import moejax.data.pipeline as pipeline
+
+    monkeypatch.setenv("MOEJAX_CACHE", str(tmp_path))
+    for module in (corpus, pipeline):  # a six-chapter "bible" keeps the BPE and the encode instant
+        monkeypatch.setattr(module, "bible_documents", lambda: DOCS_A + DOCS_B)
+    built = []
+
+    def lose_the_race(sources, spec, out, **kw):  # another process commits first; our rename then fails
+        built.append(out)
+        prepare(sources, spec, out, **kw)
+        raise StoreError(f"{out} already exists")
+
+    monkeypatch.setattr(pipeline, "prepare", lose_the_race)
+    store, again = pipeline.kjv_store(300), pipeline.kjv_store(300)
+    assert built == [store.path] and again.path == store.path
+    assert store.tokenizer_spec == "bpe:300" and store.sources["kjv"].n_docs == len(DOCS_A + DOCS_B)
+    open_store(store.path, verify=True)
+    assert [p.name for p in tmp_path.iterdir()] == [Path(store.path).name]  # no temporary dir left
+
+    def fail(sources, spec, out, **kw):
+        raise StoreError("disk full")
+
+    monkeypatch.setattr(pipeline, "prepare", fail)
+    with pytest.raises(StoreError, match="disk full"):
+        pipeline.kjv_store(301)

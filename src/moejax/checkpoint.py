@@ -53,6 +53,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from moejax.diffs import find_difference
+from moejax.fsio import atomic_write, fsync_dir
+
 log = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after preemption, resume me
@@ -61,7 +64,6 @@ METADATA = "metadata.json"
 STATE = "state"
 KINDS = ("permanent", "temporary", "final")
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
-_MISSING = "<missing>"
 
 
 class CheckpointError(RuntimeError):
@@ -99,25 +101,6 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[CheckpointInfo]:
     return sorted(out, key=lambda i: i.step)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp name, fsync, rename over `path`, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def ensure_writable(run_dir: str | os.PathLike) -> Path:
     """Create `run_dir/checkpoints` and prove a file can be written there; returns that dir.
 
@@ -127,7 +110,7 @@ def ensure_writable(run_dir: str | os.PathLike) -> Path:
     try:
         ckdir.mkdir(parents=True, exist_ok=True)
         probe = ckdir / f".write-probe-{os.getpid()}"
-        _atomic_write(probe, b"ok")
+        atomic_write(probe, b"ok")
         probe.unlink()
     except OSError as e:
         raise CheckpointError(f"run dir {run_dir} is not writable: {type(e).__name__}: {e}") from None
@@ -147,7 +130,7 @@ def _read_metadata(step_dir: Path) -> dict:
 def _delete_checkpoint(path: Path) -> None:
     # Marker first: a crash mid-rmtree then leaves an (ignored) incomplete dir.
     (path / MARKER).unlink(missing_ok=True)
-    _fsync_dir(path)
+    fsync_dir(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -163,34 +146,18 @@ def config_hash(cfg: dict) -> str:
     return hashlib.sha256(json.dumps(_normalize(cfg), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def check_compatible(saved_model_cfg: dict, current: dict, *, ignore: Iterable[str] = ()) -> None:
     """Raise `IncompatibleCheckpointError` naming the first differing field (dotted for nesting).
 
     `ignore` lists fields allowed to change across a resume (e.g. sequence length at a context
     extension). Fields are compared in the current config's order, then fields only the checkpoint has.
     """
-    saved, cur = _flatten(_normalize(saved_model_cfg)), _flatten(_normalize(current))
-    skip = set(ignore)
-    for key in [*cur, *(k for k in saved if k not in cur)]:
-        if key in skip:
-            continue
-        a, b = saved.get(key, _MISSING), cur.get(key, _MISSING)
-        if a != b:
-            raise IncompatibleCheckpointError(
-                f"checkpoint incompatible with the current model config: {key} is {a!r} "
-                f"in the checkpoint but {b!r} now"
-            )
+    d = find_difference(_normalize(saved_model_cfg), _normalize(current), ignore=ignore)
+    if d is not None:
+        raise IncompatibleCheckpointError(
+            f"checkpoint incompatible with the current model config: {d.key} is {d.old!r} "
+            f"in the checkpoint but {d.new!r} now"
+        )
 
 
 # ----------------------------------------------------------------------------- multi-process
@@ -394,13 +361,13 @@ class CheckpointManager:
         meta = json.dumps(self._metadata(step, kind, state, extra_metadata), indent=1).encode()
         if step in self._completed:
             if kind != "temporary" and _is_primary():  # upgrade in place; never downgrade to temporary
-                _atomic_write(path / METADATA, meta)
+                atomic_write(path / METADATA, meta)
             return path
         if _is_primary():
             if path.exists():
                 _delete_checkpoint(path)
             path.mkdir()
-            _atomic_write(path / METADATA, meta)
+            atomic_write(path / METADATA, meta)
         self._ckptr.save(path / STATE, args=ocp.args.StandardSave(state))  # all processes; orbax syncs them
         self._last_save_time = self._clock()
         self._commit_thread = threading.Thread(target=self._commit, args=(step, path), name=f"ckpt-commit-{step}")
@@ -411,7 +378,7 @@ class CheckpointManager:
         try:
             self._ckptr.wait_until_finished()  # orbax's background write (and multi-host barriers)
             if _is_primary():
-                _atomic_write(path / MARKER, f"{step}\n".encode())
+                atomic_write(path / MARKER, f"{step}\n".encode())
                 self._collect_garbage(step)
             self._completed.add(step)
         except BaseException as e:  # surfaced by the next save()/wait()

@@ -1,8 +1,8 @@
 """Packed sequences with segment ids: `pack_windows` and the pipeline's `MixtureLoader`.
 
-A `TokenStore` is one flat int32 token array (documents separated by EOS) plus document start offsets.
-`MixtureLoader` (built by `pipeline.make_data`) reads windows chosen by `mixture.py` from several sources
-and packs them with `pack_windows`: every token is labelled with its document (segment ids from 1) and
+A source (`store.SourceTokens`) is one flat token array (documents separated by EOS) plus document
+offsets. `MixtureLoader` (built by `pipeline.make_data`) reads windows chosen by `mixture.py` from several
+sources and packs them with `pack_windows`: every token is labelled with its document (segment ids from 1) and
 its position inside that document, so attention, SConv and the loss never cross a boundary. A batch is a
 pure function of (seed, step): resume needs nothing but the step.
 """
@@ -14,19 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 
 SPLITS = {"train": 0, "eval": 1}  # part of the permutation key, so the two splits never share an order
-
-
-@dataclass(frozen=True)
-class TokenStore:
-    tokens: np.ndarray  # [N] int32
-    doc_starts: np.ndarray  # [n_docs] int64, ascending, doc_starts[0] == 0
-
-    @staticmethod
-    def from_documents(encoded: list[list[int]], eos_id: int) -> "TokenStore":
-        lens = np.array([len(e) + 1 for e in encoded], np.int64)
-        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        flat = np.fromiter((t for e in encoded for t in (*e, eos_id)), np.int32, count=int(lens.sum()))
-        return TokenStore(flat, starts)
 
 
 # ---- packed windows from a mixture of sources (the pipeline's loader) -----------------------------------

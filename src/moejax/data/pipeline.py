@@ -4,9 +4,10 @@
     batch = data.train.batch(step)   # numpy tokens/targets/segment_ids/positions/loss_mask, this process's rows
     data.eval.batch(i); data.bytes_per_token; data.describe(); data.close()
 
-`cfg.data.store == ""` is the embedded KJV corpus with a BPE trained at `model.vocab_size` (the demo);
-otherwise a store written by `moejax data prepare`. Eval batches use the first-phase weights at the base
-sequence length and batch size, so eval numbers stay comparable across context-length phases.
+`cfg.data.store == ""` is the embedded KJV corpus with a BPE trained at `model.vocab_size` (the demo),
+prepared into the cache on first use (`kjv_store`); otherwise a store written by `moejax data prepare`.
+Eval batches use the first-phase weights at the base sequence length and batch size, so eval numbers stay
+comparable across context-length phases.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moejax.config import ConfigError, RunConfig
+from moejax.data.corpus import bible_documents
 from moejax.data.loader import MixtureLoader
 from moejax.data.mixture import Span, build_plan, integer_weights
+from moejax.data.prepare import prepare
 from moejax.data.schedule import ContextSchedule
-from moejax.data.store import SourceTokens, Store, open_store
+from moejax.data.store import Store, StoreError, open_store
+from moejax.data.tokenizer import cache_dir, corpus_key
 
 
 class Prefetcher:
@@ -102,7 +106,7 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
     if store is None:
         store = open_store(d.store) if d.store else kjv_store(m.vocab_size)
     if store.vocab_size > m.vocab_size:
-        raise ConfigError(f"data store {store.path or '(embedded KJV)'} was tokenised with {store.tokenizer_spec} "
+        raise ConfigError(f"data store {store.path or '(in memory)'} was tokenised with {store.tokenizer_spec} "
                           f"({store.vocab_size} ids) but model.vocab_size is {m.vocab_size}")
     names = list(store.sources)
     sources = tuple(store.sources[n] for n in names)
@@ -180,12 +184,15 @@ def _describe_plan(spans: list[Span], names: list[str], n_windows) -> list[dict]
 
 
 def kjv_store(vocab_size: int) -> Store:
-    """The embedded default: KJV chapters, BPE trained at `vocab_size` (cached), as a one-source store."""
-    from moejax.data.default import bible_store
-    from moejax.data.tokenizer import EOS, bytes_per_token
-
-    ts, tok = bible_store(vocab_size)
-    offsets = np.append(ts.doc_starts, len(ts.tokens)).astype(np.int64)
-    n = tok.get_vocab_size()
-    return Store("", f"bpe:{vocab_size} (embedded KJV)", n, tok.token_to_id(EOS), bytes_per_token(tok, n),
-                 {"kjv": SourceTokens("kjv", ts.tokens, offsets)})
+    """The embedded default: KJV chapters with a BPE trained at `vocab_size`, prepared once into the cache
+    (what `moejax data prepare --source kjv=builtin:kjv --tokenizer bpe:VOCAB` writes) and opened like any
+    store. The store is built under a temporary name and renamed, so processes racing on the first use
+    all open the one complete store."""
+    path = cache_dir() / f"kjv-{corpus_key(bible_documents())}-bpe{vocab_size}.store"
+    if not (path / "manifest.json").is_file():
+        try:
+            prepare({"kjv": ["builtin:kjv"]}, f"bpe:{vocab_size}", str(path), progress=False)
+        except StoreError:
+            if not (path / "manifest.json").is_file():  # not a race another process won: a real failure
+                raise
+    return open_store(str(path))

@@ -80,7 +80,7 @@ class StoreWriter:
     """Builds a store under a temporary directory; `commit()` renames it into place, `abort()` deletes it."""
 
     def __init__(self, out: Path, overwrite: bool = False):
-        self.out = Path(out)
+        self.out, self.overwrite = Path(out), overwrite
         if self.out.exists() and not overwrite:
             raise StoreError(f"{self.out} already exists; choose another --out or pass --overwrite")
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,13 +97,19 @@ class StoreWriter:
             info["sha256"] = {f: sha256_file(self.tmp / name / f) for f in ("tokens.npy", "doc_offsets.npy")}
         manifest["sha256"] = {f.name: sha256_file(f) for f in sorted(self.tmp.iterdir()) if f.is_file()}
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        if self.out.exists():  # --overwrite: swap, then delete the old store
+        if self.overwrite and self.out.exists():  # --overwrite: swap, then delete the old store
             old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(self.out, old)
             os.rename(self.tmp, self.out)
             shutil.rmtree(old, ignore_errors=True)
-        else:
+            return self.out
+        try:  # a directory renames over an empty one only: a store another process finished first stays
             os.rename(self.tmp, self.out)
+        except OSError:
+            if not self.out.exists():
+                raise
+            raise StoreError(f"{self.out} already exists (written while this one was built); "
+                             "choose another --out or pass --overwrite") from None
         return self.out
 
     def abort(self) -> None:

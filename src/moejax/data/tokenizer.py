@@ -1,4 +1,4 @@
-"""Tokenizers: a byte-level BPE trained on the corpus (the default), cached by (corpus, vocab size).
+"""Tokenizers: a byte-level BPE trained on the corpus (the default), a tokenizer.json, or Llama-3.
 
 The Llama-3 tokenizer (128,256 ids) is an optional extra (Meta's licence) handled by the data-pipeline
 issue; the demo never needs it.
@@ -38,18 +38,6 @@ def train_bpe(docs: list[str], vocab_size: int) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer=trainer)
-    return tok
-
-
-def cached_bpe(docs: list[str], vocab_size: int, name: str) -> Tokenizer:
-    """Train once per (corpus, vocab) and keep the tokenizer.json in the cache (written atomically)."""
-    path = cache_dir() / f"{name}-{corpus_key(docs)}-bpe{vocab_size}.json"
-    if path.exists():
-        return Tokenizer.from_file(str(path))
-    tok = train_bpe(docs, vocab_size)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
     return tok
 
 
