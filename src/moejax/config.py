@@ -170,7 +170,7 @@ class ParallelConfig:
     # pooled-wave transport when expert > 1, else the dropless local path).
     moe_backend: str = "auto"
     waves: int = 3  # W: all-to-all rounds per MoE layer; assignments are striped over them round-robin
-    cf_send: float = 1.15  # sender capacity factor: pool rows per destination per wave = cf_send*A/(S*W)
+    cf_send: float = 1.15  # sender capacity factor: pool rows per destination per wave = cf_send*A/(X*W)
     cf_recv: float = 1.15  # receiver capacity factor: rows per local expert per wave = cf_recv*A/(E_loc*W)
 
     def __post_init__(self):

@@ -231,7 +231,7 @@ def format_plan(r: dict) -> str:
         lines += ["transport (pooled waves, per device, per MoE layer)",
                   f"  A = {r['tokens_per_device']:,} x K = {tr['assignments']:,} assignments; E_loc = "
                   f"{tr['local_experts']}; W = {tr['waves']}",
-                  f"  P = ceil(cf_send*A/(S*W)) = {tr['P']:,} rows; R = ceil(cf_recv*A/(E_loc*W)) = {tr['R']:,} rows; "
+                  f"  P = ceil(cf_send*A/(X*W)) = {tr['P']:,} rows; R = ceil(cf_recv*A/(E_loc*W)) = {tr['R']:,} rows; "
                   f"header M = ceil(P/latent) = {tr['header_rows']}",
                   f"  rows per wave S*(M+P) = {tr['rows_per_wave']:,}; bytes per wave {g(tr['bytes_per_wave'])} at "
                   f"latent width ({g(tr['bytes_per_wave_full_width'])} at full width d)",

@@ -1,6 +1,6 @@
 """Shared building blocks: parameter containers, init, RMSNorm + GatedNorm, SConv.
 
-Dimensions: B batch, S sequence, D width, R GatedNorm rank, C channels, J conv taps.
+Dimensions: B batch, S sequence, D width, Q GatedNorm rank, C channels, J conv taps.
 Notable choices (SPEC §2):
 - Every matrix is stored `[..., fan_in, fan_out]` and drawn from sigma * truncated_normal(-3, 3),
   sigma = 0.5 / sqrt(d_model); the optimizer relies on the last two dims being the matrix.
@@ -42,8 +42,8 @@ class Norm:
     """RMSNorm (learned gain) followed by a rank-R GatedNorm."""
 
     gain: Float[Array, "D"]
-    down: Float[Array, "D R"]
-    up: Float[Array, "R D"]
+    down: Float[Array, "D Q"]
+    up: Float[Array, "Q D"]
 
     @staticmethod
     def init(d: int, rank: int, std: float, key) -> "Norm":

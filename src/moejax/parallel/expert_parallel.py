@@ -1,9 +1,10 @@
 """The pooled-wave fixed-capacity expert-parallel transport (SPEC §3) — the launch EP backend.
 
-Dimensions: T tokens (local to a shard inside `shard_map`), K choices, A = T*K assignments, Z latent
-width, F expert width, E experts, S shards on the `expert` axis, E_loc = E/S local experts, W waves,
-P sender pool rows per destination per wave, M = ceil(P/Z) header rows, R receiver capacity per local
-expert per wave, N = W*S*P send rows.
+Dimensions (the package legend, `moejax/__init__.py`): T tokens (local to a shard inside `shard_map`),
+K choices, A = T*K assignments, Z latent width, F expert width, E experts, X shards on the `expert` axis,
+E_loc = E/X local experts, W waves, P sender pool rows per destination per wave, M = ceil(P/Z) header
+rows, Y = M + P rows of one destination's block, R receiver capacity per local expert per wave,
+ER = E_loc*R expert slots, N = W*X*P send rows (X*P per wave).
 
 Per shard (one `shard_map` over the whole mesh; all_to_all over `expert` only, so every (replica_dcn,
 data) group runs its own exchange):
@@ -14,7 +15,7 @@ data) group runs its own exchange):
    activation dtype, so ids ride in the same all_to_all as the payload (no metadata collective).
 3. Receiver: decode ids, rank rows per local expert in interleaved order (slot p of every source before
    slot p+1 of any) so overflow is spread evenly over senders; inside a slot the source order starts at
-   (slot + wave + receiving shard) % S, so ties at the cut-off do not always go against the same
+   (slot + wave + receiving shard) % X, so ties at the cut-off do not always go against the same
    sender (SPEC §6). Rank >= R is a receiver drop. Compact to
    [E_loc, R, Z], run the expert MLPs (rematerialised per wave), expand back. The return block again has
    M header rows, carrying the receiver's kept flag per slot: the sender learns exactly which rows were
@@ -24,7 +25,7 @@ data) group runs its own exchange):
 
 Notable choices:
 - Backward has no scatter: every movement is a gather with a known inverse (`transport_ops`).
-- P is capped at ceil(A/W) and R at S*P (more rows than can ever arrive); the caps change no result, only
+- P is capped at ceil(A/W) and R at X*P (more rows than can ever arrive); the caps change no result, only
   buffer sizes, and never bind at production capacity factors (hero: P = 3,141, R = 33,497).
 - The header dtype must represent E_loc + 1 exactly (bf16: 256, SPEC §6); violations raise ValueError.
 """
@@ -61,14 +62,14 @@ class TransportSizes:
     send_pool: int  # P, rows per destination per wave
     recv_capacity: int  # R, rows per local expert per wave
     header_rows: int  # M = ceil(P / Z)
-    rows_per_wave: int  # S * (M + P), rows one shard sends (and receives) per wave and direction
+    rows_per_wave: int  # X * (M + P) = X * Y, rows one shard sends (and receives) per wave and direction
     bytes_per_wave: int  # rows_per_wave * Z * dtype bytes, one direction
     expert_rows_per_wave: int  # E_loc * R, rows through the expert MLPs per wave
 
 
 def transport_sizes(tokens_per_device: int, top_k: int, n_shards: int, local_experts: int, waves: int,
                     cf_send: float, cf_recv: float, latent_width: int, dtype_bytes: int) -> TransportSizes:
-    """P = ceil(cf_send*A/(S*W)), R = ceil(cf_recv*A/(E_loc*W)), capped where larger buffers cannot fill."""
+    """P = ceil(cf_send*A/(X*W)), R = ceil(cf_recv*A/(E_loc*W)), capped where larger buffers cannot fill."""
     a = tokens_per_device * top_k
     p = min(_ceil(cf_send * a / (n_shards * waves)), -(-a // waves))
     r = min(_ceil(cf_recv * a / (local_experts * waves)), n_shards * p)
@@ -88,14 +89,14 @@ def check_header_dtype(local_experts: int, dtype) -> None:
 
 
 # ---- header rows -----------------------------------------------------------------------------------
-def _encode_header(values_SP: Int[Array, "S P"], header_rows: int, width: int, dtype) -> Array:
-    n_src, pool = values_SP.shape
-    padded = jnp.pad(values_SP, ((0, 0), (0, header_rows * width - pool)))
+def _encode_header(values_XP: Int[Array, "X P"], header_rows: int, width: int, dtype) -> Array:
+    n_src, pool = values_XP.shape
+    padded = jnp.pad(values_XP, ((0, 0), (0, header_rows * width - pool)))
     return padded.astype(dtype).reshape(n_src, header_rows, width)
 
 
-def _decode_header(header_SMZ: Array, pool: int) -> Int[Array, "S P"]:
-    flat = header_SMZ.reshape(header_SMZ.shape[0], -1)[:, :pool]
+def _decode_header(header_XMZ: Array, pool: int) -> Int[Array, "X P"]:
+    flat = header_XMZ.reshape(header_XMZ.shape[0], -1)[:, :pool]
     return jnp.round(flat.astype(jnp.float32)).astype(jnp.int32)
 
 
@@ -104,7 +105,7 @@ class SenderPlan(NamedTuple):
     row_token_N: Int[Array, "N"]  # token feeding send row n = (wave, dest, slot)
     row_assign_N: Int[Array, "N"]  # its assignment t*K + k
     row_valid_N: Bool[Array, "N"]
-    ids_WSP: Int[Array, "W S P"]  # header values: local expert + 1, 0 = empty
+    ids_WXP: Int[Array, "W X P"]  # header values: local expert + 1, 0 = empty
     assign_row_TK: Int[Array, "T K"]  # send row of each assignment
     assign_sent_TK: Bool[Array, "T K"]
     sender_dropped_TK: Bool[Array, "T K"]
@@ -120,69 +121,69 @@ def _sender_plan(expert_TK, mask_T, n_shards: int, local_experts: int, waves: in
     sent_A = valid_A & (slot_A < pool)
     assign_row_A = jnp.where(sent_A, (wave_A * n_shards + dest_A) * pool + slot_A, 0)
     # Inverse map: send row (w, s, p) holds the (p*W + w)-th assignment bound for shard s.
-    w_WSP, s_WSP, p_WSP = jnp.meshgrid(jnp.arange(waves), jnp.arange(n_shards), jnp.arange(pool), indexing="ij")
-    assign_WSP, valid_WSP = groups.member(s_WSP, p_WSP * waves + w_WSP)
-    ids_WSP = jnp.where(valid_WSP, jnp.take(local_A, assign_WSP) + 1, 0)
-    assign_N = assign_WSP.reshape(-1)
-    return SenderPlan(assign_N // k, assign_N, valid_WSP.reshape(-1), ids_WSP,
+    w_WXP, s_WXP, p_WXP = jnp.meshgrid(jnp.arange(waves), jnp.arange(n_shards), jnp.arange(pool), indexing="ij")
+    assign_WXP, valid_WXP = groups.member(s_WXP, p_WXP * waves + w_WXP)
+    ids_WXP = jnp.where(valid_WXP, jnp.take(local_A, assign_WXP) + 1, 0)
+    assign_N = assign_WXP.reshape(-1)
+    return SenderPlan(assign_N // k, assign_N, valid_WXP.reshape(-1), ids_WXP,
                       assign_row_A.reshape(n_tok, k), sent_A.reshape(n_tok, k),
                       (valid_A & ~sent_A).reshape(n_tok, k))
 
 
 class ReceiverPlan(NamedTuple):
-    slot_row_C: Int[Array, "C"]  # received row (s*P + p) feeding expert slot c = e*R + r
-    slot_valid_C: Bool[Array, "C"]
+    slot_row_ER: Int[Array, "ER"]  # received row (s*P + p) feeding expert slot c = e*R + r
+    slot_valid_ER: Bool[Array, "ER"]
     row_slot_N: Int[Array, "N"]  # expert slot of received row n = s*P + p
     row_kept_N: Bool[Array, "N"]
     dropped: Int[Array, ""]
 
 
-def _receiver_plan(ids_SP: Int[Array, "S P"], local_experts: int, capacity: int, rotation) -> ReceiverPlan:
-    """Rank received rows per local expert in interleaved order j = p*S + i: slot p of every source before
-    slot p+1 of any. Inside slot p the i-th source is (i + p + rotation) % S, so the sources that lose a
+def _receiver_plan(ids_XP: Int[Array, "X P"], local_experts: int, capacity: int, rotation) -> ReceiverPlan:
+    """Rank received rows per local expert in interleaved order j = p*X + i: slot p of every source before
+    slot p+1 of any. Inside slot p the i-th source is (i + p + rotation) % X, so the sources that lose a
     tie at the capacity cut-off change with the slot, the wave and the receiving shard."""
-    n_src, pool = ids_SP.shape
-    p_J, i_J = jnp.divmod(jnp.arange(pool * n_src), n_src)
-    src_J = (i_J + p_J + rotation) % n_src
-    row_J = src_J * pool + p_J  # received row (s*P + p) at interleaved position j
-    ids_J = jnp.take(ids_SP.reshape(-1), row_J)
-    groups = rank_in_groups(jnp.where(ids_J > 0, ids_J - 1, local_experts), local_experts)
-    kept_J = (ids_J > 0) & (groups.rank_N < capacity)
-    e_C, r_C = jnp.divmod(jnp.arange(local_experts * capacity), capacity)
-    j_C, slot_valid_C = groups.member(e_C, r_C)
-    slot_row_C = jnp.take(row_J, j_C)
+    n_src, pool = ids_XP.shape
+    slot_N, i_N = jnp.divmod(jnp.arange(pool * n_src), n_src)
+    src_at_pos_N = (i_N + slot_N + rotation) % n_src
+    row_at_pos_N = src_at_pos_N * pool + slot_N  # received row (s*P + p) at interleaved position j
+    ids_at_pos_N = jnp.take(ids_XP.reshape(-1), row_at_pos_N)
+    groups = rank_in_groups(jnp.where(ids_at_pos_N > 0, ids_at_pos_N - 1, local_experts), local_experts)
+    kept_at_pos_N = (ids_at_pos_N > 0) & (groups.rank_N < capacity)
+    e_ER, r_ER = jnp.divmod(jnp.arange(local_experts * capacity), capacity)
+    pos_ER, slot_valid_ER = groups.member(e_ER, r_ER)
+    slot_row_ER = jnp.take(row_at_pos_N, pos_ER)
     # Back to received-row order through the inverse of the (static) interleaving permutation.
-    j_N = jnp.argsort(row_J)
-    kept_N = jnp.take(kept_J, j_N)
-    row_slot_N = jnp.where(kept_N, jnp.take((ids_J - 1) * capacity + groups.rank_N, j_N), 0)
-    dropped = jnp.sum((ids_J > 0) & ~kept_J, dtype=jnp.int32)
-    return ReceiverPlan(slot_row_C, slot_valid_C, row_slot_N, kept_N, dropped)
+    pos_of_row_N = jnp.argsort(row_at_pos_N)
+    kept_N = jnp.take(kept_at_pos_N, pos_of_row_N)
+    row_slot_N = jnp.where(kept_N, jnp.take((ids_at_pos_N - 1) * capacity + groups.rank_N, pos_of_row_N), 0)
+    dropped = jnp.sum((ids_at_pos_N > 0) & ~kept_at_pos_N, dtype=jnp.int32)
+    return ReceiverPlan(slot_row_ER, slot_valid_ER, row_slot_N, kept_N, dropped)
 
 
 # ---- one wave: exchange, expert compute, return ----------------------------------------------------
-def _wave(send_SPZ, ids_SP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSizes, wave: int):
-    n_shards, pool, width = send_SPZ.shape
+def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSizes, wave: int):
+    n_shards, pool, width = send_XPZ.shape
     local_experts, m, cap = w_gate_EZF.shape[0], sizes.header_rows, sizes.recv_capacity
-    dtype = send_SPZ.dtype
-    block_SHZ = jnp.concatenate([_encode_header(ids_SP, m, width, dtype), send_SPZ], axis=1)
+    dtype = send_XPZ.dtype
+    block_XYZ = jnp.concatenate([_encode_header(ids_XP, m, width, dtype), send_XPZ], axis=1)
     # Before: block s is bound for shard s (sharded by source). After: block s came from shard s.
-    recv_SHZ = jax.lax.all_to_all(block_SHZ, EXPERT_AXIS, 0, 0, tiled=True)
+    recv_XYZ = jax.lax.all_to_all(block_XYZ, EXPERT_AXIS, 0, 0, tiled=True)
     rotation = (jax.lax.axis_index(EXPERT_AXIS) + wave) % n_shards
-    plan = _receiver_plan(_decode_header(recv_SHZ[:, :m], pool), local_experts, cap, rotation)
-    payload_NZ = recv_SHZ[:, m:].reshape(n_shards * pool, width)
-    x_CZ = gather_rows(payload_NZ, plan.slot_row_C, plan.slot_valid_C, plan.row_slot_N[:, None],
+    plan = _receiver_plan(_decode_header(recv_XYZ[:, :m], pool), local_experts, cap, rotation)
+    payload_NZ = recv_XYZ[:, m:].reshape(n_shards * pool, width)
+    x_ERZ = gather_rows(payload_NZ, plan.slot_row_ER, plan.slot_valid_ER, plan.row_slot_N[:, None],
                        plan.row_kept_N[:, None])
-    # Rematerialised in the backward pass: only x_CZ (and the weights) are kept per wave.
-    y_ERZ = jax.checkpoint(expert_mlp_batched)(x_CZ.reshape(local_experts, cap, width), w_gate_EZF, w_up_EZF,
+    # Rematerialised in the backward pass: only x_ERZ (and the weights) are kept per wave.
+    y_ERZ = jax.checkpoint(expert_mlp_batched)(x_ERZ.reshape(local_experts, cap, width), w_gate_EZF, w_up_EZF,
                                                w_down_EFZ)
     ret_NZ = gather_rows(y_ERZ.reshape(-1, width).astype(dtype), plan.row_slot_N, plan.row_kept_N,
-                         plan.slot_row_C[:, None], plan.slot_valid_C[:, None])
-    kept_SP = plan.row_kept_N.reshape(n_shards, pool).astype(jnp.int32)
-    back_SHZ = jnp.concatenate([_encode_header(kept_SP, m, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
+                         plan.slot_row_ER[:, None], plan.slot_valid_ER[:, None])
+    kept_XP = plan.row_kept_N.reshape(n_shards, pool).astype(jnp.int32)
+    back_XYZ = jnp.concatenate([_encode_header(kept_XP, m, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
                                axis=1)
     # Before: block s holds rows that came from shard s. After: block s holds my rows processed by shard s.
-    back_SHZ = jax.lax.all_to_all(back_SHZ, EXPERT_AXIS, 0, 0, tiled=True)
-    return back_SHZ[:, m:], _decode_header(back_SHZ[:, :m], pool) > 0, plan.dropped
+    back_XYZ = jax.lax.all_to_all(back_XYZ, EXPERT_AXIS, 0, 0, tiled=True)
+    return back_XYZ[:, m:], _decode_header(back_XYZ[:, :m], pool) > 0, plan.dropped
 
 
 def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *, sizes: TransportSizes,
@@ -191,8 +192,8 @@ def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down
     plan = _sender_plan(expert_TK, mask_T, n_shards, w_gate_EZF.shape[0], waves, pool)
     # The dispatch result is kept for the backward pass; its cotangent is a gather-sum over each token's K rows.
     send_NZ = gather_rows(z_TZ, plan.row_token_N, plan.row_valid_N, plan.assign_row_TK, plan.assign_sent_TK)
-    send_WSPZ = send_NZ.reshape(waves, n_shards, pool, width)
-    rets, flags, recv_dropped = zip(*[_wave(send_WSPZ[w], plan.ids_WSP[w], w_gate_EZF, w_up_EZF, w_down_EFZ, sizes, w)
+    send_WXPZ = send_NZ.reshape(waves, n_shards, pool, width)
+    rets, flags, recv_dropped = zip(*[_wave(send_WXPZ[w], plan.ids_WXP[w], w_gate_EZF, w_up_EZF, w_down_EFZ, sizes, w)
                                       for w in range(waves)])
     ret_NZ = jnp.stack(rets).reshape(-1, width)
     kept_row_N = plan.row_valid_N & jnp.stack(flags).reshape(-1)
@@ -210,7 +211,7 @@ def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down
 
 
 def _layout(mesh: jax.sharding.Mesh, z_TZ, expert_TK, w_gate_EZF) -> tuple[int, int, int]:
-    """(tokens per shard, expert shards S, local experts E_loc), validated."""
+    """(tokens per shard, expert shards X, local experts E_loc), validated."""
     n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
     n_shards, n_experts = mesh.shape[EXPERT_AXIS], w_gate_EZF.shape[0]
     if z_TZ.shape[0] % n_batch:

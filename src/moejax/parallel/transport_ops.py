@@ -4,16 +4,16 @@ Every data movement in the pooled-wave transport is a *gather through a static-s
 every map comes with its inverse, so the backward pass is again a gather (never the scatter-add that
 autodiff would emit as the transpose of a gather):
 
-- `gather_rows`: out[m] = src[idx[m]] (masked). Each source row is read by at most J output rows, listed
-  by the inverse map [N, J]; the cotangent is the gather-sum d_src[n] = sum_j d_out[inv[n, j]].
-  J = K for the dispatch (a token feeds up to K send rows), J = 1 for the receiver's compaction and
+- `gather_rows`: out[o] = src[idx[o]] (masked). Each source row is read by at most I output rows, listed
+  by the inverse map [N, I]; the cotangent is the gather-sum d_src[n] = sum_i d_out[inv[n, i]].
+  I = K for the dispatch (a token feeds up to K send rows), I = 1 for the receiver's compaction and
   expansion (partial permutations).
 - `combine_rows`: y[t] = sum_k w[t,k] * src[idx[t,k]], accumulated in fp32. Its cotangent w.r.t. src is
   the gather d_src[n] = w[a(n)] * dy[t(n)] through the inverse map n -> assignment a(n).
 - `rank_in_groups`: the stable rank of each element among elements with the same key, by sorting (no
   bincount, which lowers to a scatter-add).
 
-Dimensions: N source rows, M output rows, J readers per source row, T tokens, K choices, Z latent width.
+Dimensions: N source rows, O output rows, I readers per source row, T tokens, K choices, Z latent width.
 """
 
 from __future__ import annotations
@@ -25,28 +25,28 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
-def _masked_take(src_NZ: Array, idx_M: Array, valid_M: Array) -> Array:
-    rows_MZ = jnp.take(src_NZ, idx_M, axis=0, mode="clip")
-    return jnp.where(valid_M[:, None], rows_MZ, jnp.zeros((), src_NZ.dtype))
+def _masked_take(src_NZ: Array, idx_O: Array, valid_O: Array) -> Array:
+    rows_OZ = jnp.take(src_NZ, idx_O, axis=0, mode="clip")
+    return jnp.where(valid_O[:, None], rows_OZ, jnp.zeros((), src_NZ.dtype))
 
 
 @jax.custom_vjp
-def gather_rows(src_NZ: Float[Array, "N Z"], idx_M: Int[Array, "M"], valid_M: Bool[Array, "M"],
-                inv_idx_NJ: Int[Array, "N J"], inv_valid_NJ: Bool[Array, "N J"]) -> Float[Array, "M Z"]:
-    """out[m] = src[idx[m]] where valid[m], else 0. (inv_idx, inv_valid) must list, for every source row,
+def gather_rows(src_NZ: Float[Array, "N Z"], idx_O: Int[Array, "O"], valid_O: Bool[Array, "O"],
+                inv_idx_NI: Int[Array, "N I"], inv_valid_NI: Bool[Array, "N I"]) -> Float[Array, "O Z"]:
+    """out[o] = src[idx[o]] where valid[m], else 0. (inv_idx, inv_valid) must list, for every source row,
     exactly the valid output rows that read it; only the backward pass uses them."""
-    return _masked_take(src_NZ, idx_M, valid_M)
+    return _masked_take(src_NZ, idx_O, valid_O)
 
 
-def _gather_rows_fwd(src_NZ, idx_M, valid_M, inv_idx_NJ, inv_valid_NJ):
-    return _masked_take(src_NZ, idx_M, valid_M), (inv_idx_NJ, inv_valid_NJ)
+def _gather_rows_fwd(src_NZ, idx_O, valid_O, inv_idx_NI, inv_valid_NI):
+    return _masked_take(src_NZ, idx_O, valid_O), (inv_idx_NI, inv_valid_NI)
 
 
-def _gather_rows_bwd(res, d_out_MZ):
-    inv_idx_NJ, inv_valid_NJ = res
-    d_src_NZ = sum(_masked_take(d_out_MZ, inv_idx_NJ[:, j], inv_valid_NJ[:, j]).astype(jnp.float32)
-                   for j in range(inv_idx_NJ.shape[1]))
-    return d_src_NZ.astype(d_out_MZ.dtype), None, None, None, None
+def _gather_rows_bwd(res, d_out_OZ):
+    inv_idx_NI, inv_valid_NI = res
+    d_src_NZ = sum(_masked_take(d_out_OZ, inv_idx_NI[:, j], inv_valid_NI[:, j]).astype(jnp.float32)
+                   for j in range(inv_idx_NI.shape[1]))
+    return d_src_NZ.astype(d_out_OZ.dtype), None, None, None, None
 
 
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)

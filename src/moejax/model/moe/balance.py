@@ -1,6 +1,6 @@
 """Quantile balancing (QB, SPEC §2): the router bias that makes every expert take T*K/E tokens.
 
-Dimensions: T tokens (the global batch, possibly sharded), E experts, K top-k, N histogram bins.
+Dimensions: T tokens (the global batch, possibly sharded), E experts, K top-k, Nb histogram bins.
 
 Margins mu[t, e] = logit[t, e] - alpha_t (unbiased logit minus the token's threshold, the (K+1)-th
 *biased* value; the caller computes them). Token t chose e roughly iff mu[t, e] > -b_e, so the bias
@@ -55,16 +55,16 @@ def _histogram_threshold(margins_TE, mask_T, top_k: int, n_bins: int):
 
     bin_TE = jnp.clip(jnp.floor((mu_TE - lo) / safe_width), 0, n_bins - 1).astype(jnp.int32)
     flat_TE = bin_TE + n_bins * jnp.arange(num_experts, dtype=jnp.int32)[None, :]
-    counts_EN = jnp.zeros(num_experts * n_bins, jnp.int32).at[flat_TE.ravel()].add(
+    counts_ENb = jnp.zeros(num_experts * n_bins, jnp.int32).at[flat_TE.ravel()].add(
         valid_TE.ravel().astype(jnp.int32), mode="drop").reshape(num_experts, n_bins)
 
-    # at_or_above_EN[e, b] = tokens with margin in bin b or higher (reverse cumulative count).
-    at_or_above_EN = jnp.cumsum(counts_EN[:, ::-1], axis=1)[:, ::-1]
+    # at_or_above_ENb[e, b] = tokens with margin in bin b or higher (reverse cumulative count).
+    at_or_above_ENb = jnp.cumsum(counts_ENb[:, ::-1], axis=1)[:, ::-1]
     n = _target_count(mask_T, top_k, num_experts)
     # The crossing bin: the last bin whose lower edge still has >= n tokens at or above it.
-    bin_E = jnp.clip(jnp.sum(at_or_above_EN >= n, axis=1) - 1, 0, n_bins - 1)
-    in_bin_E = jnp.take_along_axis(counts_EN, bin_E[:, None], axis=1)[:, 0].astype(jnp.float32)
-    above_E = jnp.take_along_axis(at_or_above_EN, bin_E[:, None], axis=1)[:, 0].astype(jnp.float32) - in_bin_E
+    bin_E = jnp.clip(jnp.sum(at_or_above_ENb >= n, axis=1) - 1, 0, n_bins - 1)
+    in_bin_E = jnp.take_along_axis(counts_ENb, bin_E[:, None], axis=1)[:, 0].astype(jnp.float32)
+    above_E = jnp.take_along_axis(at_or_above_ENb, bin_E[:, None], axis=1)[:, 0].astype(jnp.float32) - in_bin_E
     # Tokens spread uniformly inside the bin: the fraction of the bin above beta holds n - above tokens.
     frac_E = 1.0 - (n - above_E) / jnp.maximum(in_bin_E, 1.0)
     return lo + (bin_E.astype(jnp.float32) + jnp.clip(frac_E, 0.0, 1.0)) * width

@@ -1,7 +1,7 @@
 """Routed-expert math on one device: the SwiGLU expert MLP and the dropless local path.
 
 Dimensions: T tokens, K top-k choices, A = T*K assignments, E experts, Z latent width (the routed
-experts read and write the latent, SPEC §2), F expert width, C rows per expert (capacity).
+experts read and write the latent, SPEC §2), F expert width, R rows per expert (capacity).
 
 The local path is the training path without expert parallelism: assignments are sorted by expert and
 the three expert matmuls run as grouped GEMMs (`jax.lax.ragged_dot`), so nothing is ever dropped. The
@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
-def expert_mlp_batched(x_ECZ: Float[Array, "E C Z"], w_gate_EZF, w_up_EZF, w_down_EFZ) -> Float[Array, "E C Z"]:
+def expert_mlp_batched(x_ERZ: Float[Array, "E R Z"], w_gate_EZF, w_up_EZF, w_down_EFZ) -> Float[Array, "E R Z"]:
     """SwiGLU per expert on a capacity buffer: W2 (silu(x Wg) * (x Wu))."""
-    gate_ECF = jnp.einsum("ecz,ezf->ecf", x_ECZ, w_gate_EZF)
-    up_ECF = jnp.einsum("ecz,ezf->ecf", x_ECZ, w_up_EZF)
-    return jnp.einsum("ecf,efz->ecz", jax.nn.silu(gate_ECF) * up_ECF, w_down_EFZ)
+    gate_ERF = jnp.einsum("erz,ezf->erf", x_ERZ, w_gate_EZF)
+    up_ERF = jnp.einsum("erz,ezf->erf", x_ERZ, w_up_EZF)
+    return jnp.einsum("erf,efz->erz", jax.nn.silu(gate_ERF) * up_ERF, w_down_EFZ)
 
 
 def expert_mlp_grouped(x_AZ: Float[Array, "A Z"], group_sizes_E: Int[Array, "E"], w_gate_EZF, w_up_EZF,

@@ -1,7 +1,7 @@
 """The MoE block (SPEC §2): router, latent transport, routed experts, shared experts, output SConv.
 
 Dimensions: T tokens (B*S flattened), D width, E experts, K choices, Z latent width, F expert width,
-S shared experts, Fs shared width.
+U shared experts, Fs shared width.
 
 The routed experts read and write a Z-wide latent: z = RMSNorm(m W_down_lat), experts combine in latent
 space, then W_up_lat maps back to D. *Which* routed implementation runs is a parameter (`routed`): the
@@ -48,9 +48,9 @@ class MoE:
     w_gate: Float[Array, "E Z F"]
     w_up: Float[Array, "E Z F"]
     w_down: Float[Array, "E F Z"]
-    shared_gate: Float[Array, "S D Fs"]
-    shared_up: Float[Array, "S D Fs"]
-    shared_down: Float[Array, "S Fs D"]
+    shared_gate: Float[Array, "U D Fs"]
+    shared_up: Float[Array, "U D Fs"]
+    shared_down: Float[Array, "U Fs D"]
     conv_out: Float[Array, "J D"]
 
     @staticmethod
@@ -87,8 +87,8 @@ def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], 
     y_TZ, drops = routed(z_TZ, r.expert_TK, r.weight_TK, mask_T, p.w_gate.astype(dt), p.w_up.astype(dt),
                          p.w_down.astype(dt))
     y_TD = y_TZ.astype(dt) @ p.lat_up.astype(dt)
-    for s in range(cfg.n_shared):
-        y_TD = y_TD + swiglu(m_TD, p.shared_gate[s].astype(dt), p.shared_up[s].astype(dt), p.shared_down[s].astype(dt))
+    for u in range(cfg.n_shared):
+        y_TD = y_TD + swiglu(m_TD, p.shared_gate[u].astype(dt), p.shared_up[u].astype(dt), p.shared_down[u].astype(dt))
     out = sconv(y_TD.reshape(bsz, seq, d), p.conv_out, segment_ids)
     stats = {**router_stats(r, mask_T), **drops._asdict(),  # margins and mask feed QB (layer hook), then are dropped
              "margins": r.logits_TE - r.threshold_T[:, None], "token_mask": mask_T}
