@@ -55,6 +55,11 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     assert "eval/loss" in rows[-1] and "eval/bpb" in rows[-1]
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["model"]["n_layers"] == 2
+    info = json.loads((run / "run_info.json").read_text())  # which peak MFU is measured against
+    assert info["peak_source"] == "--peak-flops" and info["peak_units"] == 1 and info["peak_flops"] == 1e11
+    flops = 3.0 * info["accounting"]["fwd_flops_per_token"] * info["accounting"]["tokens_per_step"]
+    for row in rows:
+        assert row["throughput/mfu"] == pytest.approx(flops / row["throughput/step_time"] / 1e11)
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
 
     assert (run / "checkpoints" / "step_00000003" / "COMMITTED").exists()  # a mid-run save on a relative path

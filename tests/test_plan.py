@@ -74,7 +74,7 @@ def test_lower_hero_on_704_device_abstract_mesh():
 
     r = lower_train_step(HERO)
     assert r["ok"] and r["devices"] == 704 and r["num_partitions"] == 704
-    assert r["all_to_all"] == r["expected_all_to_all"] == 3 * 2 * 3
+    assert r["all_to_all"] == r["expected_all_to_all"] == 3 * 2 * 2  # remat keeps the all-to-all results
 
 
 def test_lower_ep_step_on_8_real_devices():
@@ -86,4 +86,5 @@ def test_lower_ep_step_on_8_real_devices():
 
     cfg = replace(TINY, parallel=ParallelConfig(expert=8))
     r = lower_train_step(cfg, mesh=make_mesh(cfg.parallel, jax.devices()))
-    assert r["ok"] and r["num_partitions"] == 8 and r["all_to_all"] == 18
+    assert r["ok"] and r["num_partitions"] == 8
+    assert r["all_to_all"] == 12  # W=3 waves x (dispatch, return) x (forward, backward): remat reruns none

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     t.add_argument("--wandb-project", default="moejax")
     t.add_argument("--wandb-run-name", help="W&B run name (default: the run directory's name)")
-    t.add_argument("--peak-flops", type=float, default=0.0, help="FLOP/s for MFU (default: measure fp32 matmul)")
+    t.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s of one device (one process on CPU) for MFU; default: measured at start (bf16 matmul on GPU/TPU, fp32 on CPU)")
     t.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--coordinator", metavar="HOST:PORT", help="jax.distributed coordinator (process 0's address)")

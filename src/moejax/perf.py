@@ -1,4 +1,11 @@
-"""Machine peak measurement for MFU: the best observed fp32 (or bf16) matmul throughput of device 0."""
+"""Machine peak for MFU: the measured matmul throughput of one device, times the devices of the job.
+
+MFU is model FLOPs per second over the *whole job's* peak, so it reads the same per device whatever the
+job size. The per-device peak is measured at start: a bf16 matmul on GPU/TPU (the dtype the model trains
+in), fp32 on CPU (bf16 is no faster there). Forced host "devices" on CPU (`--xla_force_host_platform_
+device_count`) share one process's cores, so a CPU job's peak is the measured one times the process
+count, not times the device count.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import jax.numpy as jnp
 
 
 def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
-    """FLOP/s of the fastest of `repeats` n x n x n matmuls (compiled once, result blocked on)."""
+    """FLOP/s of the fastest of `repeats` n x n x n matmuls on device 0 (compiled once, result blocked on)."""
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (n, n), dtype)
     b = jax.random.normal(kb, (n, n), dtype)
@@ -21,3 +28,23 @@ def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5) -> f
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return 2.0 * n**3 / best
+
+
+def job_peak(per_device: float = 0.0) -> dict:
+    """The peak MFU is measured against, and how it was obtained (logged in run_info.json).
+
+    `per_device` > 0 overrides the measurement (FLOP/s of one accelerator, or of one process on CPU).
+    """
+    platform = jax.default_backend()
+    on_cpu = platform == "cpu"
+    dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    units = jax.process_count() if on_cpu else jax.device_count()
+    if per_device <= 0:
+        # 8192^3 bf16 saturates an H100/H200 (JAX reaches ~650-700 TFLOP/s there); 1024^3 fp32 a CPU.
+        per_device = measure_matmul_peak(1024 if on_cpu else 8192, dtype)
+        source = f"measured: {jnp.dtype(dtype).name} matmul on {jax.devices()[0].device_kind}"
+    else:
+        source = "--peak-flops"
+    return {"peak_flops": per_device * units, "peak_flops_per_unit": per_device, "peak_units": units,
+            "peak_unit": "process (CPU: host devices share its cores)" if on_cpu else "device",
+            "peak_source": source, "platform": platform}

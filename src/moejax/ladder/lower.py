@@ -76,7 +76,7 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None)
             "abstract_s": t1 - t0, "lower_s": t2 - t1, "hlo_chars": len(text),
             "num_partitions": _num_partitions(text), "all_to_all": text.count("stablehlo.all_to_all"),
             # W waves x (dispatch, return) x (forward, backward transposes, + the remat re-forward)
-            "expected_all_to_all": cfg.parallel.waves * 2 * (3 if remat else 2) if cfg.parallel.use_ep else 0}
+            "expected_all_to_all": cfg.parallel.waves * 2 * 2 if cfg.parallel.use_ep else 0}
 
 
 def _num_partitions(text: str) -> int:
@@ -120,8 +120,8 @@ def format_lower(r: dict) -> str:
     return (f"lower: whole train step of {r['preset']} lowered on an abstract mesh ({mesh}) = {r['devices']} devices "
             f"in {r['lower_s']:.1f} s (+{r['abstract_s']:.1f} s abstract state; {r['wall_s']:.1f} s wall incl. "
             f"interpreter start; peak RSS {r['max_rss_gb']:.2f} GB); {r['all_to_all']} all_to_all in the lowered "
-            f"text ({r['expected_all_to_all']} expected = W waves x dispatch/return x forward/remat/backward of the "
-            f"scanned layer); num_partitions {r['num_partitions']}; platform {r['platform']}; nothing compiled or "
+            f"text ({r['expected_all_to_all']} expected = W waves x dispatch/return x forward/backward of the "
+            f"scanned layer; remat keeps the all-to-all results); num_partitions {r['num_partitions']}; platform {r['platform']}; nothing compiled or "
             "allocated")
 
 

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 from moejax.config import ModelConfig
 from moejax.model.attention import Attention, attention
 from moejax.model.layers import Norm, pytree_dataclass, trunc_normal
-from moejax.model.moe.layer import MoE, RoutedFn, moe_block, routed_local_with_stats
+from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, MoE, RoutedFn, moe_block, routed_local_with_stats
 
 
 @pytree_dataclass
@@ -68,6 +68,7 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 LayerHook = Callable[[dict], dict]
+REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_RETURN)
 TOKEN_STATS = ("margins", "token_mask")  # [T, E] / [T] per layer: never stacked over layers
 
 
@@ -94,8 +95,8 @@ def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Arr
         h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed)
         return x + h, hook(stats)
 
-    if remat:
-        body = jax.checkpoint(body)
+    if remat:  # recompute the block in the backward pass, except the transport's all-to-all results
+        body = jax.checkpoint(body, policy=REMAT_POLICY)
     x, stats = jax.lax.scan(body, x, (params.blocks, jnp.asarray(cfg.global_layers)))
     return params.final_norm(x, cfg.norm_eps), stats
 

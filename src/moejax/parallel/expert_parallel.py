@@ -39,10 +39,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
 from moejax.model.moe.experts import expert_mlp_batched
-from moejax.model.moe.layer import DropStats
+from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, DropStats
 from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, EXPERT_AXIS, EXPERTS_SPEC, REPLICATED
 from moejax.parallel.transport_ops import combine_rows, gather_rows, rank_in_groups
 
@@ -167,7 +168,7 @@ def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSi
     dtype = send_XPZ.dtype
     block_XYZ = jnp.concatenate([_encode_header(ids_XP, m, width, dtype), send_XPZ], axis=1)
     # Before: block s is bound for shard s (sharded by source). After: block s came from shard s.
-    recv_XYZ = jax.lax.all_to_all(block_XYZ, EXPERT_AXIS, 0, 0, tiled=True)
+    recv_XYZ = checkpoint_name(jax.lax.all_to_all(block_XYZ, EXPERT_AXIS, 0, 0, tiled=True), SAVE_DISPATCH)
     rotation = (jax.lax.axis_index(EXPERT_AXIS) + wave) % n_shards
     plan = _receiver_plan(_decode_header(recv_XYZ[:, :m], pool), local_experts, cap, rotation)
     payload_NZ = recv_XYZ[:, m:].reshape(n_shards * pool, width)
@@ -182,7 +183,7 @@ def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSi
     back_XYZ = jnp.concatenate([_encode_header(kept_XP, m, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
                                axis=1)
     # Before: block s holds rows that came from shard s. After: block s holds my rows processed by shard s.
-    back_XYZ = jax.lax.all_to_all(back_XYZ, EXPERT_AXIS, 0, 0, tiled=True)
+    back_XYZ = checkpoint_name(jax.lax.all_to_all(back_XYZ, EXPERT_AXIS, 0, 0, tiled=True), SAVE_RETURN)
     return back_XYZ[:, m:], _decode_header(back_XYZ[:, :m], pool) > 0, plan.dropped
 
 

@@ -31,7 +31,7 @@ from moejax.metrics import MetricsWriter, to_py
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
-from moejax.perf import measure_matmul_peak
+from moejax.perf import job_peak
 from moejax.train.optimizer import make_optimizer
 from moejax.train.run_dir import RunError, prepare_run_dir, read_summary, run_info, truncate_metrics, write_json
 from moejax.train.state import TrainState, init_state, place_state
@@ -50,7 +50,7 @@ class RunOptions:
     wandb: str = "offline"
     wandb_project: str = "moejax"
     wandb_run_name: str = ""  # default: the run directory's name
-    peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
+    peak_flops: float = 0.0  # per device (per process on CPU); 0: measured at start (moejax.perf.job_peak)
     progress: bool = True
     remat: bool = False
     init_from: str = ""  # a checkpoint dir (or a run dir: its newest) whose weights start a *new* run
@@ -71,9 +71,10 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
     data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
     try:
         resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
-        peak = opts.peak_flops or measure_matmul_peak()
+        peak_info = job_peak(opts.peak_flops)
+        peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
         if _primary():
-            write_json(run_dir / "run_info.json", {**run_info(cfg, peak), "data": data.describe()})
+            write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe()})
         return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh)
     except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
         raise RunError(str(e)) from None
