@@ -3,11 +3,12 @@
 The state is abstract: `jax.ShapeDtypeStruct`s carrying the real shardings (`param_shardings` for the
 parameters, `mirror_shardings` for the optimizer state), built from `jax.eval_shape` — the 535B hero is
 never allocated. The mesh is a `jax.sharding.AbstractMesh` of the preset's shape, so no devices are
-needed at all: lowering the hero's 704-device step takes seconds and ~1-2 GB of RAM on a laptop
-(measured; see `format_lower`). `jax.jit(step, in_shardings, out_shardings).lower(state, batch)` runs
+needed at all, and the hero's 704-device step lowers on a laptop (time and RAM: docs/LOG.md and
+`format_lower`). `jax.jit(step, in_shardings, out_shardings).lower(state, batch)` runs
 the full tracing + sharding propagation + StableHLO emission, including the pooled-wave transport's
 `shard_map` over `expert`; the all_to_all count in the lowered text checks that every MoE layer emits
-its W waves x 2 directions (the layer scan holds one copy of the body, the backward another).
+its W waves x 2 directions (the layer scan holds one copy of the body, the backward another; block remat
+keeps the all-to-all results, so it adds none).
 
 `lower_in_subprocess` runs it in a fresh interpreter so the caller's jax state (forced host devices,
 x64, caches) cannot leak in, and so a failure cannot take the CLI down with it.

@@ -5,10 +5,9 @@ Rungs are `presets.TINY` with the width varied; everything else follows the prod
 - KV heads local H/4, global max(1, H/8), expert = latent = shared width d/2 (`presets.ladder_shape`);
 - 16 experts top-2, vocab 2048, batch 16 x 128 tokens (TINY's);
 - steps = max(MICRO_MIN_STEPS, round(MICRO_TOKENS_PER_ACTIVE_PARAM * N_active / tokens per step)).
-  The production 791 tokens per active parameter would need ~26,000 steps at d 96 (~5 h on 2 cores at
-  ~0.5 s/step), so the micro-ladder uses 6 tokens per active parameter (791 / ~130): the five rungs then
-  take 54…648 steps, 1,471 steps in all: measured 15.2 min on 2 shared CPU cores (125-222 s per rung,
-  half of it XLA compilation).
+  The production 791 tokens per active parameter would need ~26,000 steps at d 96 (hours on a laptop),
+  so the micro-ladder uses 6 tokens per active parameter (791 / ~130): the five rungs then take
+  54…648 steps, 1,471 steps in all (wall time: docs/LOG.md).
   The ratio is the same at every rung, so the rungs stay compute-proportional like the real ladder.
 - the full recipe: optimizer "hero" (MuonH/AdamH/Adam with the SPEC §4 heuristic), QB router bias,
   local (dropless) MoE path since one CPU device has no expert axis.
