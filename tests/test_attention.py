@@ -91,13 +91,27 @@ def test_kv_head_split():
     np.testing.assert_array_equal(kv_head_map(cfg, True), [0, 0, 0, 0, 1, 1, 1, 1])
 
 
-def test_head_gate_is_identity_at_init():
-    cfg = toy_model()
-    p = Attention.init(cfg, jax.random.key(0))
-    assert np.all(np.asarray(p.head_gate) == 0.0)
-    x = jax.random.normal(jax.random.key(1), (1, 8, cfg.d_model))
-    gate = 2 * jax.nn.sigmoid(x @ p.head_gate)
-    np.testing.assert_array_equal(gate, jnp.ones_like(gate))
+def test_head_gate_scales_each_head_by_two_sigmoid():
+    """Behaviour, not the formula: with W_o = identity and SConv identity the output is the heads side by
+    side. Setting column 2 of W_gate (zero at init) to w must scale head 2 alone, per token, by exactly
+    2*sigmoid(x w) relative to the zero gate, which therefore multiplies by 1; a gate from the wrong column,
+    on the wrong head, or without the factor 2 fails."""
+    cfg, p, x = _attn_setup()
+    assert np.all(np.asarray(Attention.init(cfg, jax.random.key(0)).head_gate) == 0.0)
+    assert cfg.q_dim == cfg.d_model
+    probe = Attention(**{**p.__dict__, "wo": jnp.eye(cfg.q_dim), "head_gate": jnp.zeros_like(p.head_gate),
+                         "conv_out": p.conv_out.at[0].set(1.0).at[1:].set(0.0)})
+    seg, pos = jnp.ones((1, 12), jnp.int32), jnp.arange(12)[None]
+    heads = lambda q: np.asarray(attention(q, x, seg, pos, False, cfg)).reshape(12, cfg.n_heads, cfg.head_dim)
+    base = heads(probe)
+    w = jax.random.normal(jax.random.key(5), (cfg.d_model,))
+    gated = heads(Attention(**{**probe.__dict__, "head_gate": probe.head_gate.at[:, 2].set(w)}))
+    factor = 2 * np.asarray(jax.nn.sigmoid(x[0] @ w))  # [S], spans roughly (0, 2)
+    assert factor.min() < 0.7 and factor.max() > 1.3
+    np.testing.assert_allclose(gated[:, 2], factor[:, None] * base[:, 2], rtol=1e-5, atol=FP32_ATOL)
+    others = [h for h in range(cfg.n_heads) if h != 2]
+    np.testing.assert_allclose(gated[:, others], base[:, others], atol=FP32_ATOL)
+    assert np.linalg.norm(base[1:, 2], axis=-1).min() > 1e-3  # informative ratio (token 0 is 0 after XSA)
 
 
 def test_xsa_output_is_orthogonal_to_own_value():

@@ -1,21 +1,35 @@
 """Local/global attention of the hero block (SPEC §2).
 
 Dimensions: B batch, S sequence (queries and keys), D width, H query heads, G projected KV heads,
-Hd head dim. Notable choices:
+Hd head dim, Q / K query / key rows of one block.
+Notable choices:
 - K and V project G heads; local layers use all G (H/G queries per KV head), global layers use only the
-  first G_global (H/G_global queries per head). One code path serves both so layers can be scanned:
-  the per-layer `is_global` flag selects the head map, the window and RoPE with `jnp.where`.
+  first G_global (H/G_global queries per head); query head h reads KV head h // (H / heads used). The
+  XLA path gathers K/V per query head (measured faster on CPU than a grouped [G, H/G] einsum); the GPU
+  kernel maps heads in its index map and never repeats K/V.
+- Local and global layers share one scanned layer body with a traced `is_global` flag; the attention core
+  runs under `lax.cond`, so a local layer really runs the windowed path (a `jnp.where` of both would pay
+  for both). RoPE and the head map are inside the branches.
 - SConv on k (before QK-norm) and on the attention output (after W_o); never across documents.
 - QK-norm is parameter-free RMS over Hd (eps 1e-6); q is multiplied by qk_mult = 1.3; scale 1/sqrt(Hd).
 - RoPE on the first `rope_dim` dims, adjacent-pair convention (x[2i], x[2i+1]), theta 10,000, local
   layers only; positions restart at every document.
 - XSA: each head's output loses its component along the token's own value vector.
 - Head gate 2*sigmoid(x W_gate) per head, W_gate zero-initialised (gate = 1 at init).
-- `attn_q_block > 0` processes queries in blocks (rematerialised) so [S, S] scores never exist at once;
-  a fused flash kernel would also skip fully masked key blocks (not done: the window is not exploited).
+Attention core, by `attention_impl()`:
+- 'gpu_kernel' (default on one GPU): the fused Pallas flash kernel of flash_gpu.py (causal, document,
+  window, GQA; never [S, S]). `MOEJAX_ATTENTION=xla|gpu_kernel` chooses explicitly (e.g. to A/B on a
+  GPU). With several GPUs and no choice made it raises: the kernel is not wrapped in shard_map yet.
+- 'xla': `attn_q_block = 0` is the dense reference ([S, S] scores). `attn_q_block > 0` (and S larger)
+  processes queries in blocks, each rematerialised: global layers score a block against all S keys
+  ([B, H, Q, S] live); local layers dynamic_slice only keys [start - window + 1, end) of a front-padded
+  K/V, so their FLOPs scale with S * (Q + window) instead of S^2.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +37,12 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
+from moejax.model.flash_gpu import flash_attention
 from moejax.model.layers import init_conv, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
+ATTENTION_IMPLS = ("xla", "gpu_kernel")
 
 
 @pytree_dataclass
@@ -60,59 +76,137 @@ def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: in
     return jnp.concatenate([rot.astype(x.dtype), x[..., rope_dim:]], axis=-1)
 
 
-def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B S"], q_pos: Int[Array, "Q"], window: int,
-               is_global) -> Bool[Array, "B 1 Q S"]:
-    """Causal, same-document, and (local layers) within `window` tokens (q - k < window) for queries at
-    sequence positions q_pos against all S keys."""
-    q = q_pos[:, None]
-    k = jnp.arange(seg_k.shape[1])[None, :]
-    allowed = (k <= q) & jnp.logical_or(is_global, q - k < window)
-    same_doc = seg_q[:, :, None] == seg_k[:, None, :]
-    return (allowed[None] & same_doc)[:, None]
+def attention_impl() -> str:
+    """'gpu_kernel' on a single-GPU backend, else 'xla'; the env var MOEJAX_ATTENTION chooses explicitly."""
+    chosen = os.environ.get("MOEJAX_ATTENTION") or None
+    if chosen is not None and chosen not in ATTENTION_IMPLS:
+        raise ValueError(f"MOEJAX_ATTENTION={chosen!r} is not one of {ATTENTION_IMPLS}")
+    if chosen:
+        return chosen
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if jax.device_count() > 1:  # GSPMD cannot partition the kernel's custom call: it would run replicated
+        raise ValueError(f"the fused attention kernel is single-device ({jax.device_count()} GPUs here): set "
+                         "MOEJAX_ATTENTION=xla, or =gpu_kernel to accept a replicated kernel")
+    return "gpu_kernel"
 
 
-def attention_mask(segment_ids: Int[Array, "B S"], window: int, is_global) -> Bool[Array, "B 1 S S"]:
-    return block_mask(segment_ids, segment_ids, jnp.arange(segment_ids.shape[1]), window, is_global)
+def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B K"], q_pos: Int[Array, "Q"], k_pos: Int[Array, "K"],
+               window: int | None) -> Bool[Array, "B Q K"]:
+    """Causal, same document, real key (k >= 0: front padding is negative) and, when `window` is set
+    (local layers), q - k < window."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = (diff >= 0) & (k_pos[None, :] >= 0)
+    if window is not None:
+        allowed &= diff < window
+    return allowed[None] & (seg_q[:, :, None] == seg_k[:, None, :])
 
 
-def _attend(q, k_h, v_h, seg_q, seg_k, q_pos, is_global, cfg: ModelConfig):
-    """softmax(qk^T * scale + mask) v for one block of queries; fp32 scores and output."""
-    scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_h, preferred_element_type=jnp.float32) * scale
-    mask = block_mask(seg_q, seg_k, q_pos, cfg.window, is_global)
-    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v_h, preferred_element_type=jnp.float32)
+def attention_mask(segment_ids: Int[Array, "B S"], window: int, is_global: bool) -> Bool[Array, "B 1 S S"]:
+    pos = jnp.arange(segment_ids.shape[1])
+    return block_mask(segment_ids, segment_ids, pos, pos, None if is_global else window)[:, None]
 
 
-def _attend_blockwise(q, k_h, v_h, segment_ids, is_global, cfg: ModelConfig):
-    """Queries in blocks of `attn_q_block` (rematerialised one at a time): live scores are
-    [B, H, block, S] instead of [B, H, S, S]. Same values as the dense path."""
-    bsz, seq, heads, hd = q.shape
-    qb = cfg.attn_q_block
-    n_blocks = seq // qb
-    q_blocks = q.reshape(bsz, n_blocks, qb, heads, hd).swapaxes(0, 1)
-    seg_blocks = segment_ids.reshape(bsz, n_blocks, qb).swapaxes(0, 1)
-    pos_blocks = jnp.arange(seq).reshape(n_blocks, qb)
+def _softmax_av(q: Float[Array, "B Q H Hd"], k: Float[Array, "B K H Hd"], v: Float[Array, "B K H Hd"],
+                mask: Bool[Array, "B Q K"], scale: float) -> Float[Array, "B Q H Hd"]:
+    """softmax(q k^T * scale + mask) v with fp32 scores and output."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None], scores, NEG_INF), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v, preferred_element_type=jnp.float32)
+
+
+def attend_dense(q, k, v, segment_ids, window: int | None, scale: float):
+    """The slow reference: all [S, S] scores at once. q, k, v [B, S, H, Hd] (K/V already per query head)."""
+    pos = jnp.arange(q.shape[1])
+    return _softmax_av(q, k, v, block_mask(segment_ids, segment_ids, pos, pos, window), scale)
+
+
+def _query_blocks(q, segment_ids, qb: int):
+    """[n, B, qb, ...] blocks of q and the query segment ids, with their block index."""
+    bsz, seq = segment_ids.shape
+    n = seq // qb
+    q_blocks = q.reshape(bsz, n, qb, *q.shape[2:]).swapaxes(0, 1)
+    return jnp.arange(n), q_blocks, segment_ids.reshape(bsz, n, qb).swapaxes(0, 1)
+
+
+def _unblock(out):
+    return out.swapaxes(0, 1).reshape(out.shape[1], -1, *out.shape[3:])
+
+
+def attend_query_blocks(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
+    """Query blocks (rematerialised one at a time) against all S keys: [B, H, qb, S] live scores."""
+    k_pos = jnp.arange(q.shape[1])
 
     @jax.checkpoint
     def one(xs):
-        q_blk, seg_blk, pos_blk = xs
-        return _attend(q_blk, k_h, v_h, seg_blk, segment_ids, pos_blk, is_global, cfg)
+        i, q_blk, seg_blk = xs
+        mask = block_mask(seg_blk, segment_ids, i * qb + jnp.arange(qb), k_pos, window)
+        return _softmax_av(q_blk, k, v, mask, scale)
 
-    out = jax.lax.map(one, (q_blocks, seg_blocks, pos_blocks))  # [n_blocks, B, qb, H, Hd]
-    return out.swapaxes(0, 1).reshape(bsz, seq, heads, hd)
+    return _unblock(jax.lax.map(one, _query_blocks(q, segment_ids, qb)))
 
 
-def kv_head_map(cfg: ModelConfig, is_global) -> Int[Array, "H"]:
+def attend_window(q, k, v, segment_ids, window: int, scale: float, qb: int):
+    """Local layers: query block [i*qb, (i+1)*qb) reads only keys [i*qb - window + 1, (i+1)*qb), sliced
+    from K/V front-padded by window - 1 rows (padding has negative positions, masked). Live scores
+    [B, H, qb, qb + window - 1]; FLOPs S * (qb + window - 1) instead of S^2."""
+    pad, span = window - 1, qb + window - 1
+    front = lambda a: jnp.pad(a, [(0, 0), (pad, 0)] + [(0, 0)] * (a.ndim - 2))
+    k_pad, v_pad, seg_pad = front(k), front(v), front(segment_ids)
+
+    @jax.checkpoint
+    def one(xs):
+        i, q_blk, seg_blk = xs
+        start = i * qb  # padded row of key position i*qb - pad
+        k_blk, v_blk, seg_k = (jax.lax.dynamic_slice_in_dim(a, start, span, axis=1) for a in (k_pad, v_pad, seg_pad))
+        mask = block_mask(seg_blk, seg_k, start + jnp.arange(qb), start - pad + jnp.arange(span), window)
+        return _softmax_av(q_blk, k_blk, v_blk, mask, scale)
+
+    return _unblock(jax.lax.map(one, _query_blocks(q, segment_ids, qb)))
+
+
+def attend_xla(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
+    """The XLA attention core, q/k/v [B, S, H, Hd]: dense if qb == 0 or qb >= S, else blockwise."""
+    seq = q.shape[1]
+    if not qb or seq <= qb:
+        return attend_dense(q, k, v, segment_ids, window, scale)
+    if seq % qb:
+        raise ValueError(f"sequence length ({seq}) is not divisible by attn_q_block ({qb})")
+    if window is not None and qb + window - 1 < seq:
+        return attend_window(q, k, v, segment_ids, window, scale, qb)
+    return attend_query_blocks(q, k, v, segment_ids, window, scale, qb)  # the window covers everything
+
+
+def kv_head_map(cfg: ModelConfig, is_global: bool) -> np.ndarray:
     """Which projected KV head each query head reads: H/G per head locally, H/G_global globally."""
-    heads = np.arange(cfg.n_heads)
-    local = heads // (cfg.n_heads // cfg.n_kv_heads)
-    glob = heads // (cfg.n_heads // cfg.n_kv_heads_global)
-    return jnp.where(is_global, glob, local)
+    used = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
+    return np.arange(cfg.n_heads) // (cfg.n_heads // used)
+
+
+def _attend_heads(is_global: bool, q: Float[Array, "B S H Hd"], k: Float[Array, "B S G Hd"], v: Float[Array, "B S G Hd"],
+                  segment_ids, positions, cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
+    """One layer kind (static `is_global`): RoPE (local), head map, the attention core, XSA; fp32 out."""
+    hd = q.shape[-1]
+    if not is_global:
+        q = rope(q, positions, cfg.rope_dim, cfg.rope_theta)
+        k = rope(k, positions, cfg.rope_dim, cfg.rope_theta)
+    g = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
+    k, v = k[:, :, :g], v[:, :, :g]
+    window = None if is_global else cfg.window
+    scale = cfg.qk_mult / np.sqrt(hd)
+    head_map = kv_head_map(cfg, is_global)
+    if attention_impl() == "gpu_kernel":
+        out = flash_attention(q, k, v, segment_ids, scale, window)
+    else:
+        out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
+    v32 = v.astype(jnp.float32)[:, :, head_map]  # XSA: drop the component along the token's own value vector
+    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
+    return out - coef * v32
 
 
 def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
               is_global, cfg: ModelConfig) -> Float[Array, "B S D"]:
+    """`is_global`: a Python bool, or a traced scalar (the layer scan) that picks a branch by lax.cond."""
     bsz, seq, _ = x.shape
     dt = x.dtype
     hd = cfg.head_dim
@@ -121,21 +215,11 @@ def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B
     v = (x @ p.wv.astype(dt)).reshape(bsz, seq, cfg.n_kv_heads, hd)
     q = rms_normalize(q, cfg.qk_norm_eps).astype(dt)
     k = rms_normalize(k, cfg.qk_norm_eps).astype(dt)
-    q = jnp.where(is_global, q, rope(q, positions, cfg.rope_dim, cfg.rope_theta))
-    k = jnp.where(is_global, k, rope(k, positions, cfg.rope_dim, cfg.rope_theta))
-    head_map = kv_head_map(cfg, is_global)
-    k_h, v_h = k[:, :, head_map], v[:, :, head_map]  # [B, S, H, Hd]
-
-    if cfg.attn_q_block and seq > cfg.attn_q_block:
-        if seq % cfg.attn_q_block:
-            raise ValueError(f"sequence length ({seq}) is not divisible by attn_q_block ({cfg.attn_q_block})")
-        out = _attend_blockwise(q, k_h, v_h, segment_ids, is_global, cfg)
+    branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg)
+    if isinstance(is_global, (bool, np.bool_)):
+        out = branch(bool(is_global))(q, k, v, segment_ids, positions)
     else:
-        out = _attend(q, k_h, v_h, segment_ids, segment_ids, jnp.arange(seq), is_global, cfg)
-
-    v32 = v_h.astype(jnp.float32)  # XSA: drop the component along the token's own value vector
-    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
-    out = out - coef * v32
+        out = jax.lax.cond(is_global, branch(True), branch(False), q, k, v, segment_ids, positions)
     gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
     out = (out * gate[..., None]).astype(dt).reshape(bsz, seq, cfg.q_dim)
     return sconv(out @ p.wo.astype(dt), p.conv_out, segment_ids)

@@ -1,0 +1,237 @@
+"""Fused flash attention for GPU: a Pallas kernel (Triton lowering), forward and backward.
+
+Dimensions: B batch, S sequence (queries = keys), H query heads, G KV heads (H % G == 0), Hd head dim,
+bq / bk query / key block sizes.
+What it computes (SPEC §2 attention core): out = softmax(scale * q k^T + mask) v with the mask
+causal AND same document (segment ids equal) AND, when `window` is set, q - k < window.
+Notable choices:
+- Adapted from jax.experimental.pallas.ops.gpu.attention (Apache-2.0; FlashAttention-2 with base-2
+  exponentials): that kernel has causal + segment masks but no sliding window and no GQA. Added here:
+  the window, with key blocks outside [q - window + 1, q] skipped by the loop bounds (local layers cost
+  S * (bq + window), not S^2 / 2); GQA by index map (query head h reads KV head h // (H/G), no repeated
+  K/V in memory); fp32 output (the XLA path's dtype, so XSA downstream sees the same values).
+- Backward as two kernels (dK/dV looping over query blocks, dQ looping over key blocks) with the same
+  block skipping; dK/dV come out per query head and are summed over the H/G heads of each KV head in XLA.
+  delta = rowsum(o * dO) is an XLA reduction.
+- Every query sees at least itself (the diagonal is same-document and inside any window >= 1), so no
+  row is fully masked; a masked block processed before the diagonal is wiped by the running-max
+  correction (exp2(MASK - m) = 0), as in the upstream kernel.
+- `interpret=True` runs the same kernels through the Pallas interpreter on CPU (tests only).
+- Single-device math: under a multi-device mesh the caller must wrap it in shard_map (not done yet).
+Only plain ref indexing, lax.dot_general and lax.fori_loop are used so the kernel lowers on jax 0.10
+and 0.11 alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) is 0, never NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlocks:
+    """Tile sizes (untuned defaults after the upstream kernel; Triton wants powers of two >= 16)."""
+    q: int = 128
+    k: int = 64
+    q_bwd: int = 64
+    k_bwd: int = 64
+    num_stages: int = 2
+
+
+def _compiler_params(blocks: FlashBlocks, num_warps: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=blocks.num_stages)
+
+
+def _dot(a, b, trans_b: bool = False, trans_a: bool = False):
+    """2-D matmul with fp32 accumulation; transposes folded into the dot (Triton lowers them natively)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _mask(q_pos, k_pos, seg_q, seg_k, window: int | None):
+    diff = q_pos[:, None] - k_pos[None, :]
+    ok = (diff >= 0) & (seg_q[:, None] == seg_k[None, :])
+    return ok if window is None else ok & (diff < window)
+
+
+def _key_block_range(i, bq: int, bk: int, window: int | None):
+    """Key blocks a query block i touches: up to the diagonal, from the window's first key."""
+    hi = lax.div((i + 1) * bq + bk - 1, bk)
+    lo = 0 if window is None else lax.div(jnp.maximum(i * bq - window + 1, 0), bk)
+    return lo, hi
+
+
+def _query_block_range(j, bq: int, bk: int, window: int | None, n_q: int):
+    """Query blocks that see key block j: from the diagonal to the last query inside the window."""
+    lo = lax.div(j * bk, bq)
+    hi = n_q if window is None else jnp.minimum(lax.div((j + 1) * bk + window - 2, bq) + 1, n_q)
+    return lo, hi
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, bq, bk):
+    i = pl.program_id(0)
+    q = q_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    seg_q = seg_ref[pl.ds(i * bq, bq)]
+
+    def body(j, carry):
+        o, m, l = carry
+        ks = pl.ds(j * bk, bk)
+        s = _dot(q, k_ref[ks, :], trans_b=True) * (scale * LOG2E)  # [bq, bk], log2 units
+        s = jnp.where(_mask(q_pos, j * bk + jnp.arange(bk), seg_q, seg_ref[ks], window), s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        corr = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        o = corr[:, None] * o + _dot(p.astype(v_ref.dtype), v_ref[ks, :])
+        return o, m_new, corr * l + jnp.sum(p, axis=-1)
+
+    init = (jnp.zeros((bq, q.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    o, m, l = lax.fori_loop(*_key_block_range(i, bq, bk, window), body, init)
+    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log2(l)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, bq, bk):
+    i = pl.program_id(0)
+    q, do = q_ref[...], do_ref[...].astype(q_ref.dtype)
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    seg_q = seg_ref[pl.ds(i * bq, bq)]
+
+    def body(j, dq):
+        ks = pl.ds(j * bk, bk)
+        k = k_ref[ks, :]
+        s = _dot(q, k, trans_b=True) * (scale * LOG2E)
+        s = jnp.where(_mask(q_pos, j * bk + jnp.arange(bk), seg_q, seg_ref[ks], window), s, MASK_VALUE)
+        p = jnp.exp2(s - lse[:, None])
+        ds = p * (_dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = lax.fori_loop(*_key_block_range(i, bq, bk, window), body, jnp.zeros((bq, q.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window,
+                bq, bk, n_q):
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    k_pos = j * bk + jnp.arange(bk)
+    seg_k = seg_ref[pl.ds(j * bk, bk)]
+
+    def body(i, carry):
+        dk, dv = carry
+        qs = pl.ds(i * bq, bq)
+        q, do = q_ref[qs, :], do_ref[qs, :].astype(k.dtype)
+        s = _dot(q, k, trans_b=True) * (scale * LOG2E)  # [bq, bk]
+        s = jnp.where(_mask(i * bq + jnp.arange(bq), k_pos, seg_ref[qs], seg_k, window), s, MASK_VALUE)
+        p = jnp.exp2(s - lse_ref[qs][:, None])
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (_dot(do, v, trans_b=True) - delta_ref[qs][:, None])
+        return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+
+    zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
+    dk, dv = lax.fori_loop(*_query_block_range(j, bq, bk, window, n_q), body, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _check(q, k, blocks: FlashBlocks, interpret: bool):
+    _, s, h, hd = q.shape
+    g = k.shape[2]
+    if h % g:
+        raise ValueError(f"flash attention: query heads ({h}) not divisible by KV heads ({g})")
+    for name, b in (("q", blocks.q), ("k", blocks.k), ("q_bwd", blocks.q_bwd), ("k_bwd", blocks.k_bwd)):
+        if s % min(b, s):
+            raise ValueError(f"flash attention: sequence length ({s}) not divisible by block {name} ({b})")
+    if not interpret and (hd < 16 or hd & (hd - 1)):
+        raise ValueError(f"flash attention on GPU needs head_dim a power of two >= 16 (got {hd})")
+
+
+def _specs(q, k, rows_q: int, rows_k: int, q_blocked: bool):
+    """BlockSpecs for q/do (head h) and k/v (head h // (H/G)); the blocked side gets `rows` per program."""
+    s, hd = q.shape[1], q.shape[3]
+    rep = q.shape[2] // k.shape[2]
+    q_spec = pl.BlockSpec((None, rows_q if q_blocked else s, None, hd),
+                          lambda n, b, h: (b, n if q_blocked else 0, h, 0))
+    kv_spec = pl.BlockSpec((None, s if q_blocked else rows_k, None, hd),
+                           lambda n, b, h: (b, 0 if q_blocked else n, h // rep, 0))
+    seg_spec = pl.BlockSpec((None, s), lambda n, b, h: (b, 0))
+    row_spec = pl.BlockSpec((None, None, rows_q if q_blocked else s),
+                            lambda n, b, h: (b, h, n if q_blocked else 0))  # lse / delta, [B, H, S]
+    return q_spec, kv_spec, seg_spec, row_spec
+
+
+def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
+    bsz, s, h, hd = q.shape
+    bq, bk = min(blocks.q, s), min(blocks.k, s)
+    q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
+    kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk)
+    return pl.pallas_call(
+        kernel, grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec],
+        out_specs=[q_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((bsz, h, s), jnp.float32)],
+        compiler_params=_compiler_params(blocks, 8 if hd > 64 else 4),  # upstream's heuristic
+        interpret=interpret, name="moejax_flash_fwd",
+    )(q, k, v, segment_ids)
+
+
+def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret):
+    bsz, s, h, hd = q.shape
+    g = k.shape[2]
+    bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, s)
+    delta = jnp.einsum("bshd,bshd->bhs", o, do.astype(jnp.float32))  # rowsum(o * dO), [B, H, S]
+    ins = (q, k, v, segment_ids, do, lse, delta)
+    q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk),
+        grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
+        out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dq",
+    )(*ins)
+    q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=False)
+    per_head = pl.BlockSpec((None, bk, None, hd), lambda n, b, hh: (b, n, hh, 0))  # dK/dV of query head h
+    dk_h, dv_h = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq),
+        grid=(s // bk, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
+        out_specs=[per_head, per_head], out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
+        compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dkv",
+    )(*ins)
+    group = lambda d: d.reshape(bsz, s, g, h // g, hd).sum(3)  # sum the query heads sharing a KV head
+    return dq.astype(q.dtype), group(dk_h).astype(k.dtype), group(dv_h).astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def flash_attention(q, k, v, segment_ids, scale: float, window: int | None = None,
+                    blocks: FlashBlocks = FlashBlocks(), interpret: bool = False):
+    """q [B, S, H, Hd], k/v [B, S, G, Hd], segment_ids [B, S] int32 -> out [B, S, H, Hd] fp32.
+
+    Causal + same-segment masking; `window` (None = global) limits q - k < window."""
+    _check(q, k, blocks, interpret)
+    return _forward(q, k, v, segment_ids, scale, window, blocks, interpret)[0]
+
+
+def _flash_fwd(q, k, v, segment_ids, scale, window, blocks, interpret):
+    _check(q, k, blocks, interpret)
+    o, lse = _forward(q, k, v, segment_ids, scale, window, blocks, interpret)
+    return o, (q, k, v, segment_ids, o, lse)
+
+
+def _flash_bwd(scale, window, blocks, interpret, res, do):
+    q, k, v, segment_ids, o, lse = res
+    dq, dk, dv = _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret)
+    return dq, dk, dv, None
+
+
+flash_attention.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,191 @@
+"""The fast attention paths against the dense [S, S] reference (`attend_dense`, attn_q_block = 0):
+the XLA blockwise/windowed path and the GPU flash kernel (Pallas interpret mode on CPU), values and
+gradients; plus a FLOPs guard that local layers skip key blocks outside the window."""
+
+import os
+from dataclasses import replace
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.model import attention as attn
+from moejax.model.attention import (Attention, attend_dense, attend_query_blocks, attend_window, attention,
+                                    attention_impl)
+from moejax.model.flash_gpu import FlashBlocks, _key_block_range, _query_block_range, flash_attention
+from tests.helpers import toy_model
+
+RTOL_FP32 = 1e-5  # blockwise/kernel vs dense: same math, different summation order
+ATOL_FP32 = 2e-6
+SCALE = 0.45
+
+# 3 documents crossing block boundaries (blocks of 4 / 8), a padded tail (segment 0), one single-document row.
+SEG = jnp.asarray([[1] * 7 + [2] * 10 + [3] * 5 + [0] * 2, [4] * 24], jnp.int32)
+B, S = SEG.shape
+
+
+def _qkv(h, g, hd=8, seed=0):
+    """q [B, S, H, Hd]; k, v [B, S, G, Hd]."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (B, S, h, hd)), jax.random.normal(kk, (B, S, g, hd)),
+            jax.random.normal(kv, (B, S, g, hd)))
+
+
+def _per_head(f, h):
+    """Wrap an XLA core (K/V per query head) to take G KV heads: query head i reads KV head i // (H/G)."""
+    return lambda q, k, v: f(q, *(a[:, :, np.arange(h) // (h // a.shape[2])] for a in (k, v)))
+
+
+def _vjp_all(f, q, k, v):
+    """Output and the gradients of a non-trivial scalar of it wrt q, k, v."""
+    w = jax.random.normal(jax.random.key(7), q.shape)
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * w), argnums=(0, 1, 2)))(q, k, v)
+
+
+def _assert_same(got, want):
+    (v_g, g_g), (v_w, g_w) = got, want
+    np.testing.assert_allclose(v_g, v_w, rtol=RTOL_FP32)
+    for a, b, name in zip(g_g, g_w, "qkv"):
+        np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("window,qb", [(5, 4), (3, 8), (9, 4)])  # windows straddling 1-3 blocks back
+def test_window_path_equals_dense(window, qb):
+    q, k, v = _qkv(h=4, g=2)
+    want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, SEG, window, SCALE), 4), q, k, v)
+    got = _vjp_all(_per_head(lambda q, k, v: attend_window(q, k, v, SEG, window, SCALE, qb), 4), q, k, v)
+    _assert_same(got, want)
+
+
+def test_query_block_path_equals_dense_global_gqa():
+    q, k, v = _qkv(h=4, g=1)  # global layers: fewer KV heads, 4 queries each
+    want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, SEG, None, SCALE), 4), q, k, v)
+    got = _vjp_all(_per_head(lambda q, k, v: attend_query_blocks(q, k, v, SEG, None, SCALE, 8), 4), q, k, v)
+    _assert_same(got, want)
+
+
+def _layer_setup(seq=24):
+    cfg = toy_model(window=5, n_heads=4, n_kv_heads=2, n_kv_heads_global=1)
+    p = Attention.init(cfg, jax.random.key(0))
+    p = Attention(**{**p.__dict__, "head_gate": 0.3 * jax.random.normal(jax.random.key(9), p.head_gate.shape)})
+    x = jax.random.normal(jax.random.key(1), (B, seq, cfg.d_model))
+    pos = jnp.asarray([list(range(7)) + list(range(10)) + list(range(5)) + [0, 0], list(range(24))])
+    return cfg, p, x, pos
+
+
+def _layer_grads(cfg, p, x, pos, is_global):
+    f = lambda p, x: jnp.sum(jnp.sin(attention(p, x, SEG, pos, is_global, cfg)))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(p, x)
+
+
+@pytest.mark.parametrize("is_global", [False, True])
+def test_layer_blockwise_equals_dense_all_weights(is_global):
+    """The whole layer (projections, RoPE, XSA, gate) with attn_q_block=4 vs 0: values and the gradient of
+    every attention weight and of x."""
+    cfg, p, x, pos = _layer_setup()
+    v_d, g_d = _layer_grads(cfg, p, x, pos, is_global)
+    v_b, g_b = _layer_grads(replace(cfg, attn_q_block=4), p, x, pos, is_global)
+    np.testing.assert_allclose(v_b, v_d, rtol=RTOL_FP32)
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(g_b), jax.tree.leaves(g_b), jax.tree.leaves(g_d)):
+        np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=jax.tree_util.keystr(path[0]))
+
+
+def test_traced_layer_flag_takes_the_right_branch():
+    """In the layer scan `is_global` is traced; lax.cond must give what the static flag gives."""
+    cfg, p, x, pos = _layer_setup()
+    cfg = replace(cfg, attn_q_block=4)
+    traced = jax.jit(lambda flag: attention(p, x, SEG, pos, flag, cfg))
+    for flag in (False, True):
+        np.testing.assert_allclose(traced(jnp.asarray(flag)), attention(p, x, SEG, pos, flag, cfg),
+                                   rtol=RTOL_FP32, atol=ATOL_FP32)
+    assert not np.allclose(traced(jnp.asarray(True)), traced(jnp.asarray(False)), atol=1e-3)
+
+
+def test_scanned_local_layers_run_the_window_path():
+    """With a traced flag the local branch of the cond slices keys (the window path), the global one not."""
+    cfg, p, x, pos = _layer_setup()
+    cfg = replace(cfg, attn_q_block=4)
+    jaxpr = jax.make_jaxpr(lambda flag: attention(p, x, SEG, pos, flag, cfg))(jnp.asarray(False))
+    conds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    local, glob = (str(b) for b in conds[0].params["branches"])  # lax.cond: branches = (false, true)
+    assert "dynamic_slice" in local and "dynamic_slice" not in glob
+
+
+def _flops(f, *args) -> float:
+    cost = jax.jit(f).lower(*args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def test_local_layers_skip_key_blocks_outside_the_window():
+    """FLOPs guard: the windowed path must cost ~(qb + window - 1) / S of the path that scores every key
+    (same query blocks, so XLA's loop accounting treats both alike), fwd and fwd+bwd."""
+    seq, window, qb = 512, 32, 32
+    q = k = jnp.ones((1, seq, 2, 16))
+    seg = jnp.ones((1, seq), jnp.int32)
+    win = lambda q, k: attend_window(q, k, k, seg, window, SCALE, qb)
+    full = lambda q, k: attend_query_blocks(q, k, k, seg, window, SCALE, qb)
+    grad = lambda f: (lambda q, k: jax.grad(lambda q, k: jnp.sum(f(q, k)), argnums=(0, 1))(q, k))
+    expected = (qb + window - 1) / seq  # 0.12
+    for f_win, f_full in ((win, full), (grad(win), grad(full))):
+        ratio = _flops(f_win, q, k) / _flops(f_full, q, k)
+        assert ratio < 1.5 * expected, (ratio, expected)
+
+
+# ---- the GPU kernel, run by the Pallas interpreter on CPU ----------------------------------------------
+
+KERNEL_BLOCKS = FlashBlocks(q=8, k=4, q_bwd=4, k_bwd=8)  # unequal fwd/bwd tiles: every range formula used
+
+
+def _flash_vs_dense(h, g, window):
+    q, k, v = _qkv(h=h, g=g, seed=3)
+    want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, SEG, window, SCALE), h), q, k, v)
+    got = _vjp_all(lambda q, k, v: flash_attention(q, k, v, SEG, SCALE, window, KERNEL_BLOCKS, True), q, k, v)
+    _assert_same(got, want)
+
+
+def test_flash_kernel_global_gqa_equals_dense():
+    _flash_vs_dense(h=4, g=1, window=None)
+
+
+def test_flash_kernel_local_window_equals_dense():
+    _flash_vs_dense(h=4, g=2, window=6)  # window straddles key blocks of 4 and query blocks of 8
+
+
+def test_flash_block_ranges_are_exactly_the_needed_blocks():
+    """Loop bounds skip a block iff no (q, k) in it is causal and within the window (documents aside)."""
+    seq = 64
+    for bq, bk, window in [(8, 4, 6), (4, 8, 6), (16, 16, 1), (8, 8, 20), (8, 4, None)]:
+        q, k = np.arange(seq)[:, None], np.arange(seq)[None, :]
+        live = (q >= k) & (True if window is None else q - k < window)
+        need = live.reshape(seq // bq, bq, seq // bk, bk).any(axis=(1, 3))  # [query block, key block]
+        for i in range(seq // bq):
+            lo, hi = (int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window))
+            assert list(range(lo, hi)) == list(np.flatnonzero(need[i])), (bq, bk, window, i)
+        for j in range(seq // bk):
+            lo, hi = (int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq))
+            assert list(range(lo, hi)) == list(np.flatnonzero(need[:, j])), (bq, bk, window, j)
+
+
+def test_attention_impl_choice_and_override():
+    assert attention_impl() == ("gpu_kernel" if jax.default_backend() == "gpu" else "xla")
+    with mock.patch.dict(os.environ, {"MOEJAX_ATTENTION": "gpu_kernel"}):
+        assert attention_impl() == "gpu_kernel"
+    with mock.patch.dict(os.environ, {"MOEJAX_ATTENTION": "cudnn"}), pytest.raises(ValueError, match="cudnn"):
+        attention_impl()
+
+
+def test_layer_through_the_kernel_equals_xla(monkeypatch):
+    """The layer routed to the kernel (interpret mode) gives the XLA layer's values and weight gradients."""
+    cfg, p, x, pos = _layer_setup()
+    cfg = replace(cfg, attn_q_block=4)
+    want = _layer_grads(cfg, p, x, pos, False)
+    interp = lambda q, k, v, seg, scale, window: flash_attention(q, k, v, seg, scale, window, KERNEL_BLOCKS, True)
+    monkeypatch.setattr(attn, "flash_attention", interp)
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    v_k, g_k = _layer_grads(cfg, p, x, pos, False)
+    np.testing.assert_allclose(v_k, want[0], rtol=RTOL_FP32)
+    for a, b in zip(jax.tree.leaves(g_k), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32)
