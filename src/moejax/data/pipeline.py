@@ -189,3 +189,28 @@ def kjv_store(vocab_size: int) -> Store:
     n = tok.get_vocab_size()
     return Store("", f"bpe:{vocab_size} (embedded KJV)", n, tok.token_to_id(EOS), bytes_per_token(tok, n),
                  {"kjv": SourceTokens("kjv", ts.tokens, offsets)})
+
+
+def run_tokenizer(run_cfg: RunConfig):
+    """The tokenizer a run's data was built with (an `HFTokenizer` or `TiktokenTokenizer`: encode_batch,
+    decode, eos_id, vocab_size, save): the embedded KJV's cached BPE at `model.vocab_size`, else the store's."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from moejax.data.corpus import bible_documents
+    from moejax.data.tokenizer import HFTokenizer, TiktokenTokenizer, cached_bpe, llama3_model_path
+
+    d, vocab = run_cfg.data, run_cfg.model.vocab_size
+    if not d.store:
+        return HFTokenizer(cached_bpe(bible_documents(), vocab, "kjv"), f"bpe:{vocab} (embedded KJV)")
+    store = open_store(d.store)
+    spec, path = store.tokenizer_spec, Path(d.store) / "tokenizer.json"
+    if path.is_file():
+        return HFTokenizer(Tokenizer.from_file(str(path)), spec)
+    if spec == "llama3":
+        try:
+            return TiktokenTokenizer(llama3_model_path(), spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    raise ConfigError(f"data store {d.store} has no tokenizer.json (tokenizer {spec!r})")

@@ -61,11 +61,12 @@ def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: in
 
 
 def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B S"], q_pos: Int[Array, "Q"], window: int,
-               is_global) -> Bool[Array, "B 1 Q S"]:
+               is_global, k_pos: Int[Array, "S"] | None = None) -> Bool[Array, "B 1 Q S"]:
     """Causal, same-document, and (local layers) within `window` tokens (q - k < window) for queries at
-    sequence positions q_pos against all S keys."""
+    sequence positions q_pos against S keys at positions k_pos (default 0..S-1; a decode cache passes
+    its slots' positions)."""
     q = q_pos[:, None]
-    k = jnp.arange(seg_k.shape[1])[None, :]
+    k = (jnp.arange(seg_k.shape[1]) if k_pos is None else k_pos)[None, :]
     allowed = (k <= q) & jnp.logical_or(is_global, q - k < window)
     same_doc = seg_q[:, :, None] == seg_k[:, None, :]
     return (allowed[None] & same_doc)[:, None]
@@ -75,11 +76,11 @@ def attention_mask(segment_ids: Int[Array, "B S"], window: int, is_global) -> Bo
     return block_mask(segment_ids, segment_ids, jnp.arange(segment_ids.shape[1]), window, is_global)
 
 
-def _attend(q, k_h, v_h, seg_q, seg_k, q_pos, is_global, cfg: ModelConfig):
+def _attend(q, k_h, v_h, seg_q, seg_k, q_pos, is_global, cfg: ModelConfig, k_pos=None):
     """softmax(qk^T * scale + mask) v for one block of queries; fp32 scores and output."""
     scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_h, preferred_element_type=jnp.float32) * scale
-    mask = block_mask(seg_q, seg_k, q_pos, cfg.window, is_global)
+    mask = block_mask(seg_q, seg_k, q_pos, cfg.window, is_global, k_pos)
     probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v_h, preferred_element_type=jnp.float32)
 
@@ -111,18 +112,46 @@ def kv_head_map(cfg: ModelConfig, is_global) -> Int[Array, "H"]:
     return jnp.where(is_global, glob, local)
 
 
+def queries(p: Attention, x: Float[Array, "B S D"], positions: Int[Array, "B S"], is_global,
+            cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
+    """q = RoPE(QKNorm(x W_q)), RoPE on local layers only."""
+    dt = x.dtype
+    q = (x @ p.wq.astype(dt)).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
+    q = rms_normalize(q, cfg.qk_norm_eps).astype(dt)
+    return jnp.where(is_global, q, rope(q, positions, cfg.rope_dim, cfg.rope_theta))
+
+
+def keys(k_conv: Float[Array, "B S GHd"], positions: Int[Array, "B S"], is_global,
+         cfg: ModelConfig) -> Float[Array, "B S G Hd"]:
+    """k = RoPE(QKNorm(k_conv)) from the already SConv-ed projection x W_k."""
+    dt = k_conv.dtype
+    k = k_conv.reshape(*k_conv.shape[:2], cfg.n_kv_heads, cfg.head_dim)
+    k = rms_normalize(k, cfg.qk_norm_eps).astype(dt)
+    return jnp.where(is_global, k, rope(k, positions, cfg.rope_dim, cfg.rope_theta))
+
+
+def values(p: Attention, x: Float[Array, "B S D"], cfg: ModelConfig) -> Float[Array, "B S G Hd"]:
+    return (x @ p.wv.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_kv_heads, cfg.head_dim)
+
+
+def attention_output(p: Attention, x: Float[Array, "B S D"], out: Float[Array, "B S H Hd"],
+                     v_h: Float[Array, "B S H Hd"], cfg: ModelConfig) -> Float[Array, "B S D"]:
+    """XSA, head gate and W_o on the fp32 attention output (the output SConv is the caller's)."""
+    dt = x.dtype
+    v32 = v_h.astype(jnp.float32)  # XSA: drop the component along the token's own value vector
+    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
+    out = out - coef * v32
+    gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
+    out = (out * gate[..., None]).astype(dt).reshape(*x.shape[:2], cfg.q_dim)
+    return out @ p.wo.astype(dt)
+
+
 def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
               is_global, cfg: ModelConfig) -> Float[Array, "B S D"]:
-    bsz, seq, _ = x.shape
-    dt = x.dtype
-    hd = cfg.head_dim
-    q = (x @ p.wq.astype(dt)).reshape(bsz, seq, cfg.n_heads, hd)
-    k = sconv(x @ p.wk.astype(dt), p.conv_k, segment_ids).reshape(bsz, seq, cfg.n_kv_heads, hd)
-    v = (x @ p.wv.astype(dt)).reshape(bsz, seq, cfg.n_kv_heads, hd)
-    q = rms_normalize(q, cfg.qk_norm_eps).astype(dt)
-    k = rms_normalize(k, cfg.qk_norm_eps).astype(dt)
-    q = jnp.where(is_global, q, rope(q, positions, cfg.rope_dim, cfg.rope_theta))
-    k = jnp.where(is_global, k, rope(k, positions, cfg.rope_dim, cfg.rope_theta))
+    seq = x.shape[1]
+    q = queries(p, x, positions, is_global, cfg)
+    k = keys(sconv(x @ p.wk.astype(x.dtype), p.conv_k, segment_ids), positions, is_global, cfg)
+    v = values(p, x, cfg)
     head_map = kv_head_map(cfg, is_global)
     k_h, v_h = k[:, :, head_map], v[:, :, head_map]  # [B, S, H, Hd]
 
@@ -132,10 +161,4 @@ def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B
         out = _attend_blockwise(q, k_h, v_h, segment_ids, is_global, cfg)
     else:
         out = _attend(q, k_h, v_h, segment_ids, segment_ids, jnp.arange(seq), is_global, cfg)
-
-    v32 = v_h.astype(jnp.float32)  # XSA: drop the component along the token's own value vector
-    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
-    out = out - coef * v32
-    gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
-    out = (out * gate[..., None]).astype(dt).reshape(bsz, seq, cfg.q_dim)
-    return sconv(out @ p.wo.astype(dt), p.conv_out, segment_ids)
+    return sconv(attention_output(p, x, out, v_h, cfg), p.conv_out, segment_ids)

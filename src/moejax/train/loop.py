@@ -30,6 +30,7 @@ from tqdm import tqdm
 from moejax import accounting
 from moejax.config import ParallelConfig, RunConfig
 from moejax.data.pipeline import make_data
+from moejax.export import init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, to_py
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.parallel.expert_parallel import routed_expert_parallel
@@ -63,7 +64,7 @@ class RunOptions:
     peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
     progress: bool = True
     remat: bool = False
-    init_from: str = ""  # a checkpoint dir (or a run dir: its newest) whose weights start a *new* run
+    init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
 
 
 def make_optimizer(cfg: RunConfig):
@@ -281,17 +282,21 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
                 return restored[0]
         if init_from:
             src = Path(init_from)
-            if (src / "checkpoints").is_dir():
-                complete = [c for c in list_checkpoints(src) if c.complete]
-                if not complete:
-                    raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
-                src = complete[-1].path
-            elif not src.is_dir():
-                raise RunError(f"--init-from {src}: no such checkpoint or run directory")
-            loaded, _ = restore(src, state, model_config=model_cfg)
-            compute = jax.tree.map(lambda p, c: p.astype(c.dtype), loaded.params, state.compute)
-            return TrainState(step=state.step, params=loaded.params, compute=compute,
-                              opt_state=optimizer.init(loaded.params), qb_bias=loaded.qb_bias, rng=state.rng)
+            if is_export(src):  # `moejax export` output: weights + router bias, no optimizer state
+                params, qb_bias = init_params_from_export(src, state.params, state.qb_bias, model_cfg)
+            else:
+                if (src / "checkpoints").is_dir():
+                    complete = [c for c in list_checkpoints(src) if c.complete]
+                    if not complete:
+                        raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
+                    src = complete[-1].path
+                elif not src.is_dir():
+                    raise RunError(f"--init-from {src}: no such checkpoint or run directory")
+                loaded, _ = restore(src, state, model_config=model_cfg)
+                params, qb_bias = loaded.params, loaded.qb_bias
+            compute = jax.tree.map(lambda p, c: p.astype(c.dtype), params, state.compute)
+            return TrainState(step=state.step, params=params, compute=compute, opt_state=optimizer.init(params),
+                              qb_bias=qb_bias, rng=state.rng)
     except CheckpointError as e:
         raise RunError(str(e)) from None
     return state
