@@ -39,6 +39,7 @@ from moejax.model.moe.layer import moe_mix
 from moejax.model.transformer import Transformer, embed, lm_logits
 
 PREFILL_CHUNK = 64  # prompt tokens per prefill call (one extra compilation, for prompts at least this long)
+CACHE_BUCKET = 256  # cache length rounded up to a multiple: other prompt/new-token counts reuse the compile
 LayerCache = dict  # k, v: [B, slots, G, Hd]; pos: [slots] int32; conv_k / conv_attn / conv_moe: [B, J-1, C]
 
 
@@ -143,7 +144,8 @@ def generate_tokens(params: Transformer, cfg: ModelConfig, prompt: list[int], ma
                     temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
                     n_valid: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[tuple[int, jax.Array]]:
     """Yield (token id, fp32 logits [V] it was drawn from) for up to `max_new_tokens` new tokens, one at a
-    time as each is decoded; stops after `eos_id`. The cache is sized for prompt + new tokens.
+    time as each is decoded; stops after `eos_id`. The cache holds prompt + new tokens, rounded up to a
+    multiple of CACHE_BUCKET (empty slots are masked).
 
     The prompt goes in chunks of `prefill_chunk` tokens, the remainder one token at a time: a short prompt
     costs no compilation beyond the one-token step. The token at position p is drawn with key
@@ -152,7 +154,8 @@ def generate_tokens(params: Transformer, cfg: ModelConfig, prompt: list[int], ma
     n = len(prompt)
     # Committed like the step's outputs: an uncommitted first argument would compile the step twice.
     put = functools.partial(jax.device_put, device=jax.local_devices()[0])
-    cache = put(init_cache(cfg, 1, n + max_new_tokens))
+    length = -(-(n + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+    cache = put(init_cache(cfg, 1, length))
     key = put(jax.random.key(seed))
     n_valid = cfg.vocab_size if n_valid is None else n_valid
     ids = put(jnp.asarray([prompt], jnp.int32))
