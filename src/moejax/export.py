@@ -143,6 +143,7 @@ def write_export(tmp: Path, tensors: dict[str, np.ndarray], config: dict, tokeni
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in names}, tmp / fname, metadata={"format": FORMAT})
+        os.chmod(tmp / fname, 0o644)  # safetensors creates 0600; the other files follow the umask
         weight_map.update({n: fname for n in names})
     index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values())), "format": FORMAT},
              "weight_map": weight_map}
