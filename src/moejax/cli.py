@@ -3,6 +3,8 @@
   moejax count PRESET [--json]                       parameter / FLOP accounting
   moejax train --preset P --run-dir DIR [--steps N] [--set section.field=value ...]
   moejax summary RUN_DIR                             first/last loss, tokens/s, MFU of a finished run
+  moejax generate RUN_DIR --prompt TEXT              continue a prompt with the run's newest checkpoint
+  moejax export RUN_DIR --out DIR                    weights as safetensors + config + tokenizer
 
 User errors (bad config, preset, run dir) print one line `moejax: error: ...` and exit 2.
 SIGTERM/SIGINT during training: the step finishes, a temporary checkpoint is written, exit 75 (EX_TEMPFAIL);
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mesh", help="e.g. replica_dcn=1,data=2,expert=4,model=1 (omitted axes = 1)")
     t.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeatable)")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run in --run-dir and start over")
-    t.add_argument("--init-from", metavar="CKPT", help="start a new run from the weights of a checkpoint (or run) dir")
+    t.add_argument("--init-from", metavar="CKPT",
+                   help="start a new run from the weights of a checkpoint, run or export dir")
     t.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     t.add_argument("--wandb-project", default="moejax")
     t.add_argument("--wandb-run-name", help="W&B run name (default: the run directory's name)")
@@ -175,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     # raises ConfigError/RunError for user errors (one line, exit 2).
     from moejax.data import cli as data_cli
     from moejax.ladder import cli as ladder_cli
-    from moejax import report
+    from moejax import export, generate, report
 
-    for module in (data_cli, ladder_cli, report):
+    for module in (data_cli, ladder_cli, report, generate, export):
         module.register(sub)
     return p
 

@@ -196,3 +196,25 @@ def kjv_store(vocab_size: int) -> Store:
             if not (path / "manifest.json").is_file():  # not a race another process won: a real failure
                 raise
     return open_store(str(path))
+
+
+def run_tokenizer(run_cfg: RunConfig):
+    """The tokenizer a run's data was built with (an `HFTokenizer` or `TiktokenTokenizer`: encode_batch,
+    decode, eos_id, vocab_size, save): the store's (the embedded KJV default is a store in the cache too)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from moejax.data.tokenizer import HFTokenizer, TiktokenTokenizer, llama3_model_path
+
+    d = run_cfg.data
+    store = open_store(d.store) if d.store else kjv_store(run_cfg.model.vocab_size)
+    spec, path = store.tokenizer_spec, Path(store.path) / "tokenizer.json"
+    if path.is_file():
+        return HFTokenizer(Tokenizer.from_file(str(path)), spec)
+    if spec == "llama3":
+        try:
+            return TiktokenTokenizer(llama3_model_path(), spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    raise ConfigError(f"data store {store.path} has no tokenizer.json (tokenizer {spec!r})")

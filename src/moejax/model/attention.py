@@ -183,43 +183,74 @@ def kv_head_map(cfg: ModelConfig, is_global: bool) -> np.ndarray:
     return np.arange(cfg.n_heads) // (cfg.n_heads // used)
 
 
-def _attend_heads(is_global: bool, q: Float[Array, "B S H Hd"], k: Float[Array, "B S G Hd"], v: Float[Array, "B S G Hd"],
-                  segment_ids, positions, cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
-    """One layer kind (static `is_global`): RoPE (local), head map, the attention core, XSA; fp32 out."""
-    hd = q.shape[-1]
-    if not is_global:
-        q = rope(q, positions, cfg.rope_dim, cfg.rope_theta)
-        k = rope(k, positions, cfg.rope_dim, cfg.rope_theta)
-    g = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
-    k, v = k[:, :, :g], v[:, :, :g]
+def _rope_local(x: Float[Array, "B S N Hd"], positions, is_global: bool, cfg: ModelConfig):
+    return x if is_global else rope(x, positions, cfg.rope_dim, cfg.rope_theta)
+
+
+def queries(p: Attention, x: Float[Array, "B S D"], positions: Int[Array, "B S"], is_global: bool,
+            cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
+    """q = RoPE(QKNorm(x W_q)), RoPE on local layers only (static `is_global`)."""
+    q = (x @ p.wq.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
+    return _rope_local(rms_normalize(q, cfg.qk_norm_eps).astype(x.dtype), positions, is_global, cfg)
+
+
+def keys(k_conv: Float[Array, "B S GHd"], positions: Int[Array, "B S"], is_global: bool,
+         cfg: ModelConfig) -> Float[Array, "B S G Hd"]:
+    """k = RoPE(QKNorm(k_conv)) from the already SConv-ed projection x W_k; all G heads."""
+    k = k_conv.reshape(*k_conv.shape[:2], cfg.n_kv_heads, cfg.head_dim)
+    return _rope_local(rms_normalize(k, cfg.qk_norm_eps).astype(k_conv.dtype), positions, is_global, cfg)
+
+
+def values(p: Attention, x: Float[Array, "B S D"], cfg: ModelConfig) -> Float[Array, "B S G Hd"]:
+    return (x @ p.wv.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_kv_heads, cfg.head_dim)
+
+
+def xsa(out: Float[Array, "B S H Hd"], v_h: Float[Array, "B S H Hd"]) -> Float[Array, "B S H Hd"]:
+    """XSA: drop from each head's fp32 output its component along the token's own value vector."""
+    v32 = v_h.astype(jnp.float32)
+    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
+    return out - coef * v32
+
+
+def attention_output(p: Attention, x: Float[Array, "B S D"], out: Float[Array, "B S H Hd"],
+                     cfg: ModelConfig) -> Float[Array, "B S D"]:
+    """Head gate 2*sigmoid(x W_gate) and W_o on the (XSA-ed, fp32) heads; the output SConv is the caller's."""
+    dt = x.dtype
+    gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
+    out = (out * gate[..., None]).astype(dt).reshape(*x.shape[:2], cfg.q_dim)
+    return out @ p.wo.astype(dt)
+
+
+def attend_cached(q, k_h, v_h, seg_q, seg_k, q_pos, k_pos, is_global: bool, cfg: ModelConfig):
+    """Queries at q_pos against keys at k_pos (a decode cache: empty slots have k_pos < 0); K/V per query
+    head. The dense core with explicit positions; same mask and scale as training."""
     window = None if is_global else cfg.window
-    scale = cfg.qk_mult / np.sqrt(hd)
+    return _softmax_av(q, k_h, v_h, block_mask(seg_q, seg_k, q_pos, k_pos, window), cfg.qk_mult / np.sqrt(cfg.head_dim))
+
+
+def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positions,
+                  cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
+    """One layer kind (static `is_global`): q/k with RoPE (local), head map, the attention core, XSA."""
+    q = queries(p, x, positions, is_global, cfg)
+    g = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
+    k, v = keys(k_conv, positions, is_global, cfg)[:, :, :g], values(p, x, cfg)[:, :, :g]
+    window = None if is_global else cfg.window
+    scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
     head_map = kv_head_map(cfg, is_global)
     if attention_impl() == "gpu_kernel":
         out = flash_attention(q, k, v, segment_ids, scale, window)
     else:
         out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
-    v32 = v.astype(jnp.float32)[:, :, head_map]  # XSA: drop the component along the token's own value vector
-    coef = jnp.sum(out * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
-    return out - coef * v32
+    return xsa(out, v[:, :, head_map])
 
 
 def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
               is_global, cfg: ModelConfig) -> Float[Array, "B S D"]:
     """`is_global`: a Python bool, or a traced scalar (the layer scan) that picks a branch by lax.cond."""
-    bsz, seq, _ = x.shape
-    dt = x.dtype
-    hd = cfg.head_dim
-    q = (x @ p.wq.astype(dt)).reshape(bsz, seq, cfg.n_heads, hd)
-    k = sconv(x @ p.wk.astype(dt), p.conv_k, segment_ids).reshape(bsz, seq, cfg.n_kv_heads, hd)
-    v = (x @ p.wv.astype(dt)).reshape(bsz, seq, cfg.n_kv_heads, hd)
-    q = rms_normalize(q, cfg.qk_norm_eps).astype(dt)
-    k = rms_normalize(k, cfg.qk_norm_eps).astype(dt)
+    k_conv = sconv(x @ p.wk.astype(x.dtype), p.conv_k, segment_ids)
     branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg)
     if isinstance(is_global, (bool, np.bool_)):
-        out = branch(bool(is_global))(q, k, v, segment_ids, positions)
+        out = branch(bool(is_global))(p, x, k_conv, segment_ids, positions)
     else:
-        out = jax.lax.cond(is_global, branch(True), branch(False), q, k, v, segment_ids, positions)
-    gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
-    out = (out * gate[..., None]).astype(dt).reshape(bsz, seq, cfg.q_dim)
-    return sconv(out @ p.wo.astype(dt), p.conv_out, segment_ids)
+        out = jax.lax.cond(is_global, branch(True), branch(False), p, x, k_conv, segment_ids, positions)
+    return sconv(attention_output(p, x, out, cfg), p.conv_out, segment_ids)

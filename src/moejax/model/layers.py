@@ -74,6 +74,15 @@ def sconv(x: Float[Array, "B S C"], taps_JC: Float[Array, "J C"], segment_ids: I
     return y
 
 
+def sconv_step(x: Float[Array, "B T C"], taps_JC: Float[Array, "J C"],
+               state: Float[Array, "B J-1 C"]) -> tuple[Float[Array, "B T C"], Float[Array, "B J-1 C"]]:
+    """`sconv` continued from `state`, the previous J-1 inputs of the same document (zeros before its first
+    token, which is what the document mask gives). Returns the T outputs and the new state (decoding)."""
+    hist = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    y = sconv(hist, taps_JC, jnp.ones(hist.shape[:2], jnp.int32))
+    return y[:, state.shape[1]:], hist[:, hist.shape[1] - state.shape[1]:]
+
+
 def swiglu(x: Float[Array, "... D"], w_gate: Float[Array, "D F"], w_up: Float[Array, "D F"],
            w_down: Float[Array, "F D"]) -> Float[Array, "... D"]:
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

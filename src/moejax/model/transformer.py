@@ -67,6 +67,16 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
+def embed(params: Transformer, tokens: Int[Array, "B S"], cfg: ModelConfig) -> Float[Array, "B S D"]:
+    """Embedding lookup in the compute dtype, then the embedding norm."""
+    return params.embed_norm(params.embed[tokens].astype(jnp.dtype(cfg.compute_dtype)), cfg.norm_eps)
+
+
+def lm_logits(h: Float[Array, "... D"], lm_head: Float[Array, "D V"]) -> Float[Array, "... V"]:
+    """fp32 logits of the (final-normed) hidden states."""
+    return jnp.einsum("...d,dv->...v", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
 LayerHook = Callable[[dict], dict]
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_RETURN)
 TOKEN_STATS = ("margins", "token_mask")  # [T, E] / [T] per layer: never stacked over layers
@@ -84,8 +94,7 @@ def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Arr
     `layer_hook` maps one layer's raw MoE stats to what is kept (e.g. margins -> QB bias); by default the
     [T, E] margins are dropped so nothing of that size is stacked over layers.
     """
-    dt = jnp.dtype(cfg.compute_dtype)
-    x = params.embed_norm(params.embed[tokens].astype(dt), cfg.norm_eps)
+    x = embed(params, tokens, cfg)
     hook = layer_hook or drop_token_stats
 
     def body(x, layer):
@@ -110,7 +119,7 @@ def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int
     if vocab_block and vocab_block < lm_head.shape[1]:
         lse, target_logit = _streamed_lse(h_TD, lm_head.astype(h.dtype), t_T, vocab_block)
     else:
-        logits = jnp.einsum("td,dv->tv", h_TD, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        logits = lm_logits(h_TD, lm_head)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
     n = jnp.maximum(jnp.sum(w_T), 1.0)

@@ -27,6 +27,7 @@ from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManage
                                restore)
 from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
+from moejax.export import init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, to_py
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.parallel.backends import moe_backend
@@ -53,7 +54,7 @@ class RunOptions:
     peak_flops: float = 0.0  # per device (per process on CPU); 0: measured at start (moejax.perf.job_peak)
     progress: bool = True
     remat: bool = False
-    init_from: str = ""  # a checkpoint dir (or a run dir: its newest) whose weights start a *new* run
+    init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
 
 
 def _primary() -> bool:
@@ -197,17 +198,20 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
                 return restored[0]
         if init_from:
             src = Path(init_from)
-            if (src / "checkpoints").is_dir():
-                complete = [c for c in list_checkpoints(src) if c.complete]
-                if not complete:
-                    raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
-                src = complete[-1].path
-            elif not src.is_dir():
-                raise RunError(f"--init-from {src}: no such checkpoint or run directory")
-            loaded, _ = restore(src, state, model_config=model_cfg)
-            compute = jax.tree.map(lambda p, c: p.astype(c.dtype), loaded.params, state.compute)
-            return TrainState(step=state.step, params=loaded.params, compute=compute,
-                              opt_state=optimizer.init(loaded.params), rng=state.rng)
+            if is_export(src):  # `moejax export` output: weights + router bias, no optimizer state
+                params = init_params_from_export(src, state.params, model_cfg)
+            else:
+                if (src / "checkpoints").is_dir():
+                    complete = [c for c in list_checkpoints(src) if c.complete]
+                    if not complete:
+                        raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
+                    src = complete[-1].path
+                elif not src.is_dir():
+                    raise RunError(f"--init-from {src}: no such checkpoint or run directory")
+                params = restore(src, state, model_config=model_cfg)[0].params
+            compute = jax.tree.map(lambda p, c: p.astype(c.dtype), params, state.compute)
+            return TrainState(step=state.step, params=params, compute=compute, opt_state=optimizer.init(params),
+                              rng=state.rng)
     except CheckpointError as e:
         raise RunError(str(e)) from None
     return state

@@ -83,6 +83,13 @@ def routed_local_with_stats(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_
 
 def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cfg: ModelConfig,
               routed: RoutedFn = routed_local_with_stats) -> tuple[Float[Array, "B S D"], dict]:
+    y, stats = moe_mix(p, m, segment_ids, cfg, routed)
+    return sconv(y, p.conv_out, segment_ids), stats
+
+
+def moe_mix(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cfg: ModelConfig,
+            routed: RoutedFn = routed_local_with_stats) -> tuple[Float[Array, "B S D"], dict]:
+    """Routed + shared experts, before the output SConv (decoding runs that conv from a cache)."""
     bsz, seq, d = m.shape
     dt = m.dtype
     m_TD = m.reshape(bsz * seq, d)
@@ -94,7 +101,6 @@ def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], 
     y_TD = y_TZ.astype(dt) @ p.lat_up.astype(dt)
     for u in range(cfg.n_shared):
         y_TD = y_TD + swiglu(m_TD, p.shared_gate[u].astype(dt), p.shared_up[u].astype(dt), p.shared_down[u].astype(dt))
-    out = sconv(y_TD.reshape(bsz, seq, d), p.conv_out, segment_ids)
     stats = {**router_stats(r, mask_T), **drops._asdict(),  # margins and mask feed QB (layer hook), then are dropped
              "margins": r.logits_TE - r.threshold_T[:, None], "token_mask": mask_T}
-    return out, stats
+    return y_TD.reshape(bsz, seq, d), stats

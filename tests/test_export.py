@@ -1,0 +1,109 @@
+"""`moejax export`: safetensors shards + index + config + tokenizer that reproduce the checkpoint's logits,
+a refused --out, and `--init-from` an export."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors import safe_open
+
+from moejax.checkpoint import list_checkpoints, restore
+from moejax.cli import main
+from moejax.export import INDEX, export_run, from_tensors, load_export, to_tensors
+from moejax.model.transformer import Transformer, forward, lm_logits
+from moejax.train.loop import _initial_state, make_optimizer
+from moejax.train.state import init_state
+from moejax.weights import load_run, run_config
+from tests.helpers import toy_model
+from tests.tiny_run import tiny_run_dir
+
+# The export holds the very values the checkpoint's forward reads (bf16 = the compute copy, fp32 = the
+# master, router bias fp32 in both), so logits must agree bit for bit.
+EXPORT_LOGITS_ATOL = 0.0
+SMALL_SHARD = 256 * 1024  # bytes: forces several shard files for the tiny model
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tiny_run_dir(tmp_path_factory)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _logits(params, tokens, cfg):
+    h, _ = forward(params, tokens, jnp.ones_like(tokens), jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape),
+                   cfg, remat=False)
+    return lm_logits(h, params.lm_head)
+
+
+def test_tensor_names_round_trip():
+    cfg = toy_model(n_layers=3)
+    params = jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape),
+                          jax.eval_shape(lambda k: Transformer.init(cfg, k), jax.random.key(0)))
+    tensors = to_tensors(params)
+    assert list(tensors)[:2] == ["embed", "embed_norm.gain"] and list(tensors)[-1] == "lm_head"
+    assert tensors["layers.2.moe.w_gate"].shape == (cfg.n_experts, cfg.latent_width, cfg.expert_width)
+    np.testing.assert_array_equal(tensors["layers.1.attn.wq"], np.asarray(params.blocks.attn.wq[1]))
+    back = from_tensors(tensors, cfg)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="export has no tensor 'layers.2.attn.wo'"):
+        from_tensors({k: v for k, v in tensors.items() if k != "layers.2.attn.wo"}, cfg)
+
+
+def test_export_reproduces_the_checkpoints_logits(run_dir, tmp_path):
+    out = tmp_path / "export"
+    s = export_run(run_dir, out, "fp32", shard_bytes=SMALL_SHARD)
+    assert s["step"] == 2 and len(s["files"]) > 1
+    master = load_run(run_dir, which="params").params
+    cfg, fp32, config = load_export(out)
+    for a, b in zip(jax.tree.leaves(fp32), jax.tree.leaves(master)):  # the fp32 master, tensor for tensor
+        assert a.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    export_run(run_dir, out, "bf16", shard_bytes=SMALL_SHARD)  # replaces the earlier export in place
+    index = json.loads((out / INDEX).read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in out.glob("*.safetensors")}
+    with safe_open(out / index["weight_map"]["layers.1.moe.router_bias"], "flax") as f:
+        assert f.get_tensor("layers.1.moe.router_bias").dtype == jnp.float32  # fp32 at any --dtype
+    assert config["model"] == dataclasses.asdict(run_config(run_dir).model)
+    assert (out / "tokenizer.json").is_file() and config["tokenizer"]["vocab_size"] == 2048
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary dirs left behind"
+
+    cfg, bf16, config = load_export(out)
+    assert config["dtype"] == "bfloat16" and bf16.blocks.attn.wq.dtype == jnp.bfloat16
+    compute = load_run(run_dir, which="compute").params  # what training's forward reads
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(_logits(bf16, tokens, cfg)), np.asarray(_logits(compute, tokens, cfg)),
+                               rtol=0, atol=EXPORT_LOGITS_ATOL)
+
+
+def test_export_refuses_a_foreign_non_empty_dir(run_dir, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert main(["export", str(run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is a non-empty directory that is not an earlier export" in err and err.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_init_from_an_export_starts_from_its_weights(run_dir, tmp_path, capsys):
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "fp32", "--checkpoint", "1"]) == 0
+    assert "exported step 1" in capsys.readouterr().out
+    cfg = run_config(run_dir)
+    abstract = jax.eval_shape(lambda: init_state(cfg, make_optimizer(cfg)[0], jax.random.key(0)))
+    state, _ = restore(list_checkpoints(run_dir)[-1].path, abstract)  # step 2: not what the export holds
+    zeroed = dataclasses.replace(state, params=jax.tree.map(jnp.zeros_like, state.params))
+    new = _initial_state(zeroed, None, False, str(out), optax.set_to_zero(), dataclasses.asdict(cfg.model))
+    step1 = load_run(run_dir, step=1, which="params").params
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(step1)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(new.compute.blocks.moe.router_bias),  # fp32 in the compute copy
+                                  np.asarray(step1.blocks.moe.router_bias))
+    assert new.compute.embed.dtype == jnp.bfloat16 and int(new.step) == int(state.step)
