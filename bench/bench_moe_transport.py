@@ -4,8 +4,9 @@
    an EP=8 mesh at equal global tokens, measured in the same run.
 2. Drop fraction (sender / receiver split) vs capacity factor for a random router (distinct top-k).
 
-On CPU the 8 host devices share the same cores, so EP gains no compute; the local path's grouped GEMMs
-(`jax.lax.ragged_dot`) lower on CPU to one dense masked matmul per expert group, which dominates its time.
+On CPU the 8 host devices share the same cores, so EP gains no compute. The local path runs the blocked
+grouped GEMM (`moejax.model.moe.grouped`); before 2026-11-30 it used `jax.lax.ragged_dot`, a dense masked
+matmul per expert group on CPU (the 2026-11-30 transport entry in docs/LOG.md was measured with that).
 Usage: python bench/bench_moe_transport.py [--tokens 4096] [--experts 64] [--top-k 4] [--latent 256] ...
 """
 
@@ -88,9 +89,7 @@ def main():
     print("| path | devices | fwd+bwd ms |\n|---|---|---|")
     print(f"| routed_local (dropless) | 1 | {t_local * 1e3:.1f} |")
     print(f"| pooled-wave EP, cf 1.15 | 8 | {t_ep * 1e3:.1f} |")
-    print(f"EP8 / local time ratio: {t_ep / t_local:.2f}  (median of {a.reps} / {a.local_reps} runs; on CPU "
-          "jax.lax.ragged_dot lowers to a dense masked matmul per group, ~E x the FLOPs, so the local path "
-          "is far slower here than on GPU/TPU)")
+    print(f"EP8 / local time ratio: {t_ep / t_local:.2f}  (median of {a.reps} / {a.local_reps} runs)")
 
     print(f"\n# drop fraction vs capacity factor (cf_send = cf_recv), random router, EP=8, waves={a.waves}")
     print("| cf | P | R | dropped | sender | receiver |\n|---|---|---|---|---|---|")

@@ -8,7 +8,10 @@ steps after `--warmup` untimed ones (compile excluded), each blocked on; batches
 so data loading is not timed. The remat-off and remat-on steps alternate, so a busy shared machine slows
 both alike rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
 
-Usage: python bench/bench_train_step.py [--steps 10] [--warmup 2] [--batch-size 16] [--seq-len 128]
+`--cpu-shape` swaps in issue 11's CPU shape (d256, 4 layers, 4 heads x 64, 32 experts top-4, expert and
+latent width 128, vocab 8,192, seq 256, batch 16, fp32; the rest as the tiny preset, e.g. 2 shared experts).
+
+Usage: python bench/bench_train_step.py [--steps 10] [--warmup 2] [--batch-size 16] [--seq-len 128] [--cpu-shape]
 """
 
 from __future__ import annotations
@@ -29,11 +32,20 @@ from moejax.train.state import init_state
 from moejax.train.step import make_train_step
 
 
+# Issue 11's CPU benchmark shape (model fields; batch 16 x seq 256 set in main).
+CPU_SHAPE_MODEL = dict(d_model=256, n_layers=4, n_heads=4, head_dim=64, n_kv_heads=2, n_kv_heads_global=1,
+                       n_experts=32, top_k=4, expert_width=128, latent_width=128, vocab_size=8192,
+                       compute_dtype="float32")
+
+
 def compiled_step(cfg, remat: bool, batch: dict):
     """(jitted step, fresh state, compile + first step seconds) of the train step under `remat`."""
     optimizer, lr_fn = make_optimizer(cfg)
     state = init_state(cfg, optimizer, jax.random.key(cfg.train.seed))
-    step_fn = jax.jit(make_train_step(cfg.model, optimizer, lr_fn, remat=remat), donate_argnums=0)
+    # fp32 compute: the compute copy is the master's own buffer (astype to the same dtype), and donating
+    # one buffer twice is an error, so the fp32 state is not donated.
+    donate = () if cfg.model.compute_dtype == "float32" else 0
+    step_fn = jax.jit(make_train_step(cfg.model, optimizer, lr_fn, remat=remat), donate_argnums=donate)
     t0 = time.perf_counter()
     state, _ = jax.block_until_ready(step_fn(state, batch))
     return step_fn, state, time.perf_counter() - t0
@@ -60,10 +72,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     ap.add_argument("--batch-size", type=int, default=TINY.train.batch_size)
     ap.add_argument("--seq-len", type=int, default=TINY.train.seq_len)
+    ap.add_argument("--cpu-shape", action="store_true", help="issue 11's CPU shape instead of the tiny preset")
     args = ap.parse_args()
 
     cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
                                                               seq_len=args.seq_len))
+    if args.cpu_shape:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **CPU_SHAPE_MODEL),
+                                  train=dataclasses.replace(cfg.train, batch_size=16, seq_len=256))
     m, t = cfg.model, cfg.train
     with make_data(cfg) as data:
         batches = [jax.device_put(data.train.batch(i)) for i in range(args.warmup + args.steps)]
@@ -73,7 +89,8 @@ def main() -> None:
     flops_per_step = 3.0 * fwd * t.tokens_per_step
 
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))")
-    print(f"tiny preset: {m.n_layers} layers, d_model {m.d_model}, {m.n_experts} experts top-{m.top_k}, "
+    print(f"{'issue-11 CPU shape' if args.cpu_shape else 'tiny preset'}: {m.n_layers} layers, d_model {m.d_model}, "
+          f"{m.n_experts} experts top-{m.top_k}, "
           f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
     print(f"measured fp32 matmul peak (1024^3, best of 5): {peak / 1e9:.1f} GFLOP/s")

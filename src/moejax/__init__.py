@@ -14,6 +14,7 @@ annotations, module docstrings):
   Y rows of one destination's block (M + P)               R rows per local expert (receiver capacity)
   ER expert slots (E_loc*R)  N rows a gather reads (the W*X*P send rows in the transport)
   O rows a gather writes     I readers per source row     Nb histogram bins (QB)
+  Bk blocks of b rows (grouped GEMM)                      Pd padded rows (Bk*b)
 
 PartitionSpecs are never abbreviated to `P` in the package: they are the named constants of
 `moejax.parallel.mesh`.

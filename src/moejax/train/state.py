@@ -36,8 +36,11 @@ class TrainState:
 
 
 def compute_copy(params: Transformer, dtype) -> Transformer:
+    """A new array per leaf, also where the dtype does not change (fp32 compute, the router bias): the
+    state is donated to the step, and one buffer may not be donated twice."""
     def cast(path, p):
-        return p if getattr(path[-1], "name", None) in FP32_LEAVES else p.astype(dtype)
+        to = jnp.float32 if getattr(path[-1], "name", None) in FP32_LEAVES else dtype
+        return jnp.array(p, dtype=to, copy=True)
 
     return jax.tree_util.tree_map_with_path(cast, params)
 

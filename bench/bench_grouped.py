@@ -1,0 +1,124 @@
+"""Grouped GEMM fwd+bwd throughput: the blocked grouped GEMM vs `jax.lax.ragged_dot` vs one dense dot (not a test).
+
+One matmul y_AF = x_AZ @ w[expert_A] with random (uniform) expert choices, forward plus the backward to both
+x and w, FLOPs counted as 3 x 2*A*Z*F (the useful FLOPs; padding and ragged_dot's dense emulation are not
+credited). Rows:
+- grouped, b=...: `moejax.model.moe.grouped` end to end (make_layout + gather into blocks + block matmul +
+  gather back), per block size (the default block for this shape is always included);
+- block matmul only: the default block, with the layout built and rows blocked outside the timed function;
+- ragged_dot: rows pre-sorted by expert, group sizes given (E x emulated on CPU and GPU);
+- dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
+grouped / dense is the issue-11 target (>= 60% on GPU). Times are the median of --reps after one warm-up
+call (compile excluded); the paths take turns rep by rep, so a busy machine slows them alike. A path that fails (e.g. ragged_dot's allocation at E=384) prints its error.
+
+Usage: python bench/bench_grouped.py [--rows 16384] [--z 256] [--f 256] [--experts 32 128] [--dtype float32]
+       [--block-sizes 64 128 256] [--reps 5] [--no-ragged]
+On a GPU the defaults are issue 11's shape: --rows 262144 --z 512 --f 512 --experts 64 384 --dtype bfloat16
+--block-sizes 128 256 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, make_layout, to_blocks
+
+
+# Defaults on a GPU: issue 11's measurement (262,144 rows x 512 x 512, bf16, E=64 and 384).
+GPU_DEFAULTS = dict(rows=262_144, z=512, f=512, experts=[64, 384], dtype="bfloat16", block_sizes=[128, 256, 512])
+
+
+def fwd_bwd(fn):
+    """jit of (args...) -> <fn(x, w, ...), ct> and its grads with respect to x and w. The value is returned so
+    the forward matmul is computed: the loss is linear in fn, whose grads alone would not need it."""
+    return jax.jit(jax.value_and_grad(lambda x, w, ct, *rest: jnp.vdot(fn(x, w, *rest), ct).real, argnums=(0, 1)))
+
+
+def time_interleaved(runs: list[tuple[str, object, tuple]], reps: int) -> dict[str, float | str]:
+    """Median seconds per path, the paths taking turns rep by rep so that load from other processes on a
+    shared machine hits all of them alike. A path that fails to compile or run gets its error instead."""
+    live, out = [], {}
+    for label, f, args in runs:
+        try:
+            jax.block_until_ready(f(*args))  # compile + warm-up
+            live.append((label, f, args))
+        except Exception as e:  # noqa: BLE001 — a bench row, e.g. ragged_dot's allocation at E=384
+            out[label] = f"failed: {str(e).splitlines()[0][:120]}"
+    times = {label: [] for label, _, _ in live}
+    for _ in range(reps):
+        for label, f, args in live:
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[label].append(time.perf_counter() - t0)
+    return {label: out.get(label) or float(np.median(times[label])) for label, _, _ in runs}
+
+
+def grouped_fn(block: int, n_exp: int):
+    def f(x_AZ, w_EZF, expert_A):
+        layout = make_layout(expert_A, n_exp, block)
+        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, layout.expert_N), layout)
+    return f
+
+
+def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
+    """(label, jitted fwd+bwd, args) per path."""
+    dt = jnp.dtype(a.dtype)
+    kx, kw, ke, kc = jax.random.split(key, 4)
+    x_AZ = jax.random.normal(kx, (a.rows, a.z), dt)
+    w_EZF = (jax.random.normal(kw, (n_exp, a.z, a.f)) / a.z ** 0.5).astype(dt)
+    expert_A = jax.random.randint(ke, (a.rows,), 0, n_exp)
+    ct_AF = jax.random.normal(kc, (a.rows, a.f), dt)
+    b_def = default_block(a.rows, n_exp)
+    out = [(f"grouped, b={b}" + (" (default)" if b == b_def else ""), fwd_bwd(grouped_fn(b, n_exp)),
+            (x_AZ, w_EZF, ct_AF, expert_A)) for b in sorted(set(a.block_sizes) | {b_def})]
+    layout = make_layout(expert_A, n_exp)
+    x_NbZ = to_blocks(x_AZ, layout)
+    ct_NbF = jax.random.normal(kc, x_NbZ.shape[:2] + (a.f,), dt)
+    out.append((f"block matmul only, b={layout.block}, {layout.n_blocks} blocks",
+                fwd_bwd(lambda x, w, e: block_matmul(x, w, e)), (x_NbZ, w_EZF, ct_NbF, layout.expert_N)))
+    if a.ragged:
+        sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
+        out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))
+    out.append(("dense dot (same FLOPs)", fwd_bwd(lambda x, w: x @ w), (x_AZ, w_EZF[0], ct_AF)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=16384, help="A, rows (token-expert assignments)")
+    ap.add_argument("--z", type=int, default=256, help="input width")
+    ap.add_argument("--f", type=int, default=256, help="output width")
+    ap.add_argument("--experts", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-ragged", dest="ragged", action="store_false", help="skip ragged_dot (slow on CPU)")
+    if jax.default_backend() == "gpu":  # issue 11's GPU shape
+        ap.set_defaults(**GPU_DEFAULTS)
+    a = ap.parse_args()
+
+    flops = 3 * 2.0 * a.rows * a.z * a.f
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    print(f"A={a.rows:,} rows x Z={a.z} -> F={a.f}, {a.dtype}, fwd+bwd useful FLOPs {flops:.4g}, "
+          f"median of {a.reps}\n")
+    print("| E | path | ms | TFLOP/s | / dense |")
+    print("|---|---|---|---|---|")
+    for n_exp in a.experts:
+        runs = cases(a, n_exp, jax.random.key(n_exp))
+        times = time_interleaved(runs, a.reps)
+        dense = times[runs[-1][0]]
+        for label, t in times.items():
+            if isinstance(t, str):
+                print(f"| {n_exp} | {label} | {t} | | |")
+            else:
+                ratio = f"{dense / t:.2f}" if isinstance(dense, float) else ""
+                print(f"| {n_exp} | {label} | {1e3 * t:.1f} | {flops / t / 1e12:.3f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Dropless grouped GEMM in plain XLA: rows sorted by expert, padded per expert to whole blocks, then
+batched block matmuls. Fast on CPU and GPU alike; no dense emulation.
+
+Dimensions (package legend, `moejax/__init__.py`): A rows (assignments, T*K in the MoE layer), E experts
+(groups), Z input width, F output width, b rows per block, Bk blocks (a static bound), Pd = Bk*b padded
+rows; for the row gathers N rows read, O rows written, I readers per source row.
+
+Why not `jax.lax.ragged_dot`: on CPU and on GPU (jax 0.10/0.11) it lowers to a dense masked matmul per
+group, E x the FLOPs and memory (issue 11: 5.7 TFLOP/s at E=64 on an H200, a 96 GB allocation at E=384).
+It stays in the tests as the slow reference only (STYLE rule 14).
+
+How: `make_layout` sorts the rows by expert and gives expert e ceil(n_e/b) whole blocks, so every block
+belongs to one expert. Since sum_e ceil(n_e/b) <= (A + E(b-1))/b, Bk = (A + E(b-1)) // b blocks always
+suffice (static shapes, nothing dropped). Each matmul is then one batched einsum 'nbz,nzf->nbf' against
+the block's expert weights w[expert_Bk]. The layout is built once per MoE layer and reused by the gate,
+up and down matmuls: the rows are gathered into blocks once and the outputs gathered back once.
+
+Costs: all Bk blocks are computed, padding or not, so the FLOPs are at most (1 + E(b-1)/A) x the useful
+ones; `default_block` halves b until E*b <= MAX_PAD_FRACTION * A. The per-block weights w[expert_Bk] are
+Bk*Z*F elements, about F/b x the input blocks: a b much smaller than F makes the weight gather, not the
+matmul, the cost. Block size trades the two (measurements: docs/LOG.md 2026-11-30).
+
+Backward, two custom_vjps, so that autodiff's choices don't become the cost:
+- `block_matmul`: dx = dy w[expert_Bk]^T, and dw = per-block x^T dy accumulated in fp32, then summed over
+  the blocks of each expert (`segment_sum` over blocks sorted by expert). Nothing is E x larger than the
+  forward: the largest temporary is the [Bk, Z, F] per-block weight gradient. Plain autodiff would keep
+  the gathered weights as a residual and sum bf16 block gradients in bf16.
+- `gather_rows`: the row gathers into and out of blocks are each other's transposes, so their backward
+  is a gather through the other map, not the scatter-add autodiff would emit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from moejax.model.layers import pytree_dataclass
+
+# Rows per block, the largest the default picks. Measured on 2 CPU cores, fp32, fwd+bwd of one grouped GEMM
+# (bench/bench_grouped.py, docs/LOG.md 2026-11-30): at A=16,384, Z=F=256, E=32, b=128 beat 64 by 1.8x and
+# 256 by 6%. Two costs pull apart: every one of the Bk static blocks is computed, so padding (up to E*b
+# rows) costs FLOPs, while each block costs a Z*F weight gather and a Z*F fp32 weight gradient whatever
+# its rows, which on CPU weighs about as much as ~100 rows at Z=F=256. On a GPU the per-block memory
+# traffic weighs more against the matmuls, so larger blocks may win there (bench it: --block-sizes).
+BLOCK_SIZE = 128
+# The default block is halved (down to MIN_BLOCK) until the worst-case padding E*b is at most this fraction
+# of the rows, so that small inputs (eval batches, E=384 with few tokens) don't mostly multiply zeros.
+# At E=128, A=16,384 (same bench) b=64 (padding <= 50%) ran 1.34x faster than b=32 (<= 25%) and within
+# 7% of b=128 (<= 100%).
+MAX_PAD_FRACTION = 0.5
+MIN_BLOCK = 8
+
+
+@pytree_dataclass
+class BlockLayout:
+    """Where each row goes. Pd = Bk*b; the block size b is Pd // Bk (static, from the shapes)."""
+
+    row_Pd: Int[Array, "Pd"]  # source row of each padded row; A (out of range) marks padding
+    slot_A: Int[Array, "A"]  # padded row of each source row
+    expert_Bk: Int[Array, "Bk"]  # expert of each block, ascending (unused tail blocks repeat E-1)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.expert_Bk.shape[0]
+
+    @property
+    def block(self) -> int:
+        return self.row_Pd.shape[0] // self.expert_Bk.shape[0]
+
+
+def default_block(n_rows: int, n_experts: int) -> int:
+    """BLOCK_SIZE, halved while the worst-case padding E*b exceeds MAX_PAD_FRACTION of the rows."""
+    b = BLOCK_SIZE
+    while b > MIN_BLOCK and n_experts * b > MAX_PAD_FRACTION * n_rows:
+        b //= 2
+    return b
+
+
+def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | None = None) -> BlockLayout:
+    """Sort rows by expert (stable: source order inside an expert) and pad each expert to whole blocks of
+    block_size rows (None: `default_block`)."""
+    (n_rows,) = expert_A.shape
+    b = block_size or default_block(n_rows, n_experts)
+    n_blocks = max(1, (n_rows + n_experts * (b - 1)) // b)
+    order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> source row
+    expert_sorted_A = expert_A[order_A]
+    count_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
+    padded_E = (count_E + b - 1) // b * b
+    start_E = jnp.cumsum(count_E) - count_E
+    padded_end_E = jnp.cumsum(padded_E)
+    padded_start_E = padded_end_E - padded_E
+    dst_A = padded_start_E[expert_sorted_A] + jnp.arange(n_rows, dtype=jnp.int32) - start_E[expert_sorted_A]
+    slot_A = jnp.zeros((n_rows,), jnp.int32).at[order_A].set(dst_A, unique_indices=True)
+    row_Pd = jnp.full((n_blocks * b,), n_rows, jnp.int32).at[dst_A].set(order_A.astype(jnp.int32),
+                                                                         unique_indices=True)
+    block_start_Bk = jnp.arange(n_blocks, dtype=jnp.int32) * b
+    expert_Bk = jnp.searchsorted(padded_end_E, block_start_Bk, side="right").astype(jnp.int32)
+    return BlockLayout(row_Pd=row_Pd, slot_A=slot_A, expert_Bk=jnp.minimum(expert_Bk, n_experts - 1))
+
+
+@jax.custom_vjp
+def gather_rows(x_NZ: Float[Array, "N Z"], take_O: Int[Array, "O"], back_NI: Int[Array, "N I"]) -> Float[Array, "O Z"]:
+    """y[r] = x[take_O[r]] (0 where out of range). back_NI must list, for each source row s, the K output
+    rows that read it (out of range where fewer): then the backward is a gather too, not a scatter-add,
+    which XLA runs as a serial loop on CPU and with atomics on GPU."""
+    return jnp.take(x_NZ, take_O, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_rows_fwd(x_NZ, take_O, back_NI):
+    return gather_rows(x_NZ, take_O, back_NI), back_NI
+
+
+def _gather_rows_bwd(back_NI, dy_OZ):
+    dx_NIZ = jnp.take(dy_OZ, back_NI, axis=0, mode="fill", fill_value=0)
+    return dx_NIZ.sum(axis=1), None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def to_blocks(x_NZ: Float[Array, "N Z"], layout: BlockLayout, rows_per_source: int = 1) -> Float[Array, "Bk b Z"]:
+    """Gather rows into blocks; padding rows are zero. Source row s feeds rows s*K .. s*K+K-1 (K =
+    rows_per_source), so the MoE layer gathers tokens directly, without a [T*K, Z] copy first."""
+    back_NI = layout.slot_A.reshape(-1, rows_per_source)
+    # Padding rows hold row A, so A // K = S is out of range and reads 0.
+    x_PdZ = gather_rows(x_NZ, layout.row_Pd // rows_per_source, back_NI)
+    return x_PdZ.reshape(layout.n_blocks, layout.block, x_NZ.shape[-1])
+
+
+def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Array, "A Z"]:
+    """Gather the outputs back into source row order (padding rows are never read)."""
+    return gather_rows(y_BkbZ.reshape(-1, y_BkbZ.shape[-1]), layout.slot_A, layout.row_Pd[:, None])
+
+
+@jax.custom_vjp
+def block_matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"],
+                 expert_Bk: Int[Array, "Bk"]) -> Float[Array, "Bk b F"]:
+    """y[n] = x[n] @ w[expert_Bk[n]] for every block n."""
+    return jnp.einsum("nbz,nzf->nbf", x_BkbZ, w_EZF[expert_Bk])
+
+
+def _block_matmul_fwd(x_BkbZ, w_EZF, expert_Bk):
+    # Residuals are the inputs, not the gathered [N, Z, F] weights (re-gathered in the backward).
+    return block_matmul(x_BkbZ, w_EZF, expert_Bk), (x_BkbZ, w_EZF, expert_Bk)
+
+
+def _block_matmul_bwd(res, dy_BkbF):
+    x_BkbZ, w_EZF, expert_Bk = res
+    dx_BkbZ = jnp.einsum("nbf,nzf->nbz", dy_BkbF, w_EZF[expert_Bk])
+    dw_BkZF = jnp.einsum("nbz,nbf->nzf", x_BkbZ, dy_BkbF, preferred_element_type=jnp.float32)
+    dw_EZF = jax.ops.segment_sum(dw_BkZF, expert_Bk, num_segments=w_EZF.shape[0], indices_are_sorted=True)
+    return dx_BkbZ, dw_EZF.astype(w_EZF.dtype), None
+
+
+block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+
+
+def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], expert_Bk: Int[Array, "Bk"], w_gate_EZF: Float[Array, "E Z F"],
+                  w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"]) -> Float[Array, "Bk b Z"]:
+    """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero."""
+    h_BkbF = jax.nn.silu(block_matmul(x_BkbZ, w_gate_EZF, expert_Bk)) * block_matmul(x_BkbZ, w_up_EZF, expert_Bk)
+    return block_matmul(h_BkbF, w_down_EFZ, expert_Bk)
+
+
+def grouped_swiglu(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_gate_EZF, w_up_EZF, w_down_EFZ,
+                   block_size: int | None = None) -> Float[Array, "A Z"]:
+    """SwiGLU of row a with the weights of expert expert_A[a] (rows in any order)."""
+    layout = make_layout(expert_A, w_gate_EZF.shape[0], block_size)
+    y_BkbZ = swiglu_blocks(to_blocks(x_AZ, layout), layout.expert_Bk, w_gate_EZF, w_up_EZF, w_down_EFZ)
+    return from_blocks(y_BkbZ, layout)

@@ -1,0 +1,147 @@
+"""The blocked grouped GEMM (moejax.model.moe.grouped) equals fp32 references: values and all gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.model.moe.experts import routed_local
+from moejax.model.moe.grouped import default_block, grouped_swiglu, make_layout
+from moejax.model.moe.reference import routed_reference
+
+RTOL_FP32 = 1e-5
+ATOL_FP32 = 1e-5
+# bf16 inputs and weights against the fp32 reference on the same (bf16-rounded) values: the matmuls round
+# their outputs to bf16 (8 bits of mantissa) three times along the chain.
+RTOL_BF16 = 3e-2
+ATOL_BF16 = 3e-2
+HP = jax.lax.Precision.HIGHEST
+
+
+def per_row_reference(x_AZ, expert_A, wg, wu, wd):
+    """fp32 SwiGLU of each row with its own expert's weights, gathered per row: [A, Z, F] weights, exact."""
+    f32 = lambda a: a.astype(jnp.float32)
+    x, wg, wu, wd = f32(x_AZ), f32(wg)[expert_A], f32(wu)[expert_A], f32(wd)[expert_A]
+    h = jax.nn.silu(jnp.einsum("az,azf->af", x, wg, precision=HP)) * jnp.einsum("az,azf->af", x, wu, precision=HP)
+    return jnp.einsum("af,afz->az", h, wd, precision=HP)
+
+
+def _problem(seed, sizes, Z=6, F=10, dtype=jnp.float32):
+    """Rows of len(sizes) experts in shuffled order; sizes[e] rows choose expert e."""
+    rng = np.random.default_rng(seed)
+    expert_A = jnp.asarray(rng.permutation(np.repeat(np.arange(len(sizes)), sizes)), jnp.int32)
+    a, e = int(np.sum(sizes)), len(sizes)
+    x = jnp.asarray(rng.normal(size=(a, Z)), dtype)
+    ws = [jnp.asarray(0.4 * rng.normal(size=s), dtype) for s in [(e, Z, F), (e, Z, F), (e, F, Z)]]
+    ct = jnp.asarray(rng.normal(size=(a, Z)), jnp.float32)
+    return x, expert_A, ws, ct
+
+
+def _value_and_grads(fn, x, expert_A, ws, ct):
+    loss = lambda x, *w: jnp.sum(fn(x, expert_A, *w).astype(jnp.float32) * ct)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, *ws)
+
+
+def _assert_matches_reference(x, expert_A, ws, ct, block, rtol, atol):
+    y = jax.jit(grouped_swiglu, static_argnames="block_size")(x, expert_A, *ws, block_size=block)
+    y_ref = jax.jit(per_row_reference)(x, expert_A, *ws)
+    np.testing.assert_allclose(np.asarray(y, np.float32), y_ref, rtol=rtol, atol=atol, err_msg="forward")
+    (_, g), (_, g_ref) = (_value_and_grads(f, x, expert_A, ws, ct) for f in
+                          (lambda *a: grouped_swiglu(*a, block_size=block), per_row_reference))
+    for name, a, b in zip(["x", "w_gate", "w_up", "w_down"], g, g_ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=rtol, atol=atol, err_msg=f"grad {name}")
+
+
+UNALIGNED = [5, 0, 13, 1, 29, 0, 6, 17]  # empty experts, odd sizes, one group longer than a block
+
+
+@pytest.mark.parametrize("block", [8, 16, None], ids=["b8", "b16", "default"])
+def test_unaligned_groups_with_empty_experts(block):
+    _assert_matches_reference(*_problem(0, UNALIGNED), block, RTOL_FP32, ATOL_FP32)
+
+
+def test_all_rows_in_one_expert():
+    _assert_matches_reference(*_problem(1, [0, 0, 37, 0]), 8, RTOL_FP32, ATOL_FP32)
+
+
+def test_384_experts_tiny_widths():
+    sizes = np.random.default_rng(2).multinomial(700, np.full(384, 1 / 384))  # many empty, a few > 4
+    assert (sizes == 0).any() and sizes.max() > 4
+    _assert_matches_reference(*_problem(2, sizes, Z=4, F=6), None, RTOL_FP32, ATOL_FP32)
+
+
+def test_bf16_close_to_fp32_reference():
+    _assert_matches_reference(*_problem(3, UNALIGNED, dtype=jnp.bfloat16), 8, RTOL_BF16, ATOL_BF16)
+
+
+def test_equals_ragged_dot_and_per_group_loop():
+    """Rows sorted by expert: the same numbers as the old `jax.lax.ragged_dot` path and a per-group fp32 loop."""
+    sizes = np.array([0, 13, 1, 29, 6])
+    x, _, ws, ct = _problem(4, sizes)
+    expert_A = jnp.asarray(np.repeat(np.arange(len(sizes)), sizes), jnp.int32)
+    groups_E = jnp.asarray(sizes, jnp.int32)
+
+    def ragged(x, e, wg, wu, wd):
+        h = jax.nn.silu(jax.lax.ragged_dot(x, wg, groups_E, precision=HP)) * jax.lax.ragged_dot(x, wu, groups_E, precision=HP)
+        return jax.lax.ragged_dot(h, wd, groups_E, precision=HP)
+
+    def per_group(x, e, wg, wu, wd):
+        outs, start = [], 0
+        for g, n in enumerate(sizes):
+            xs = x[start:start + n]
+            outs.append((jax.nn.silu(xs @ wg[g]) * (xs @ wu[g])) @ wd[g])
+            start += n
+        return jnp.concatenate(outs)
+
+    v, g = _value_and_grads(lambda *a: grouped_swiglu(*a, block_size=8), x, expert_A, ws, ct)
+    for ref in (ragged, per_group):
+        v_ref, g_ref = _value_and_grads(ref, x, expert_A, ws, ct)
+        np.testing.assert_allclose(v, v_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
+        for a, b in zip(g, g_ref):
+            np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+def test_layout_blocks_are_single_expert_and_bounded():
+    sizes = np.array(UNALIGNED)
+    _, expert_A, _, _ = _problem(5, sizes)
+    b, n_exp = 8, len(sizes)
+    layout = make_layout(expert_A, n_exp, b)
+    assert layout.block == b and layout.n_blocks == (sizes.sum() + n_exp * (b - 1)) // b
+    row_P, slot_A, expert_N = map(np.asarray, (layout.row_P, layout.slot_A, layout.expert_N))
+    assert np.all(row_P[slot_A] == np.arange(sizes.sum())), "slot and row are inverse maps"
+    real_P = row_P < sizes.sum()
+    assert real_P.sum() == sizes.sum()
+    block_of_row = np.arange(row_P.size) // b
+    assert np.all(expert_N[block_of_row[real_P]] == np.asarray(expert_A)[row_P[real_P]]), "row in a foreign block"
+    assert np.all(np.diff(expert_N) >= 0), "blocks sorted by expert (segment_sum relies on it)"
+    used = np.unique(block_of_row[real_P]).size
+    assert used == np.sum(-(-sizes // b)), "each expert gets exactly ceil(n_e / b) blocks"
+
+
+def test_default_block_shrinks_for_small_inputs():
+    assert default_block(16384, 32) == 128
+    assert default_block(16384, 128) == 64
+    assert default_block(700, 384) == 8
+
+
+@pytest.mark.parametrize("n_exp,k,one_expert", [(64, 4, False), (6, 2, True)], ids=["E64", "all_in_one"])
+def test_routed_local_equals_dense_reference(n_exp, k, one_expert):
+    T, Z, F = 40, 8, 12
+    rng = np.random.default_rng(n_exp)  # numpy inputs: eager jax.random ops would each compile
+    z = jnp.asarray(rng.normal(size=(T, Z)), jnp.float32)
+    # one_expert: every token's top-k picks expert 3 (K copies of it), the worst-case skew
+    ids = jnp.asarray(np.full((T, k), 3) if one_expert else rng.integers(0, n_exp, (T, k)), jnp.int32)
+    w = jnp.asarray(rng.uniform(size=(T, k)), jnp.float32)
+    wg, wu = (jnp.asarray(0.3 * rng.normal(size=(n_exp, Z, F)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(0.3 * rng.normal(size=(n_exp, F, Z)), jnp.float32)
+    mask = jnp.asarray(np.arange(T) < T - 5)
+    ct = jnp.asarray(np.cos(np.arange(T * Z)).reshape(T, Z), jnp.float32)
+
+    def vg(fn):
+        loss = lambda z, w, *ws: jnp.sum(fn(z, ids, w, mask, *ws) * ct)
+        return jax.jit(jax.value_and_grad(loss, argnums=range(5)))(z, w, wg, wu, wd)
+
+    (v, g), (v_ref, g_ref) = vg(routed_local), vg(routed_reference)
+    np.testing.assert_allclose(v, v_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
+    for name, a, b in zip(["z", "weight", "w_gate", "w_up", "w_down"], g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=f"grad {name}")
