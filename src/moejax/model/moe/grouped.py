@@ -141,7 +141,7 @@ def block_matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"],
 
 
 def _block_matmul_fwd(x_BkbZ, w_EZF, expert_Bk):
-    # Residuals are the inputs, not the gathered [N, Z, F] weights (re-gathered in the backward).
+    # Residuals are the inputs, not the gathered [Bk, Z, F] weights (re-gathered in the backward).
     return block_matmul(x_BkbZ, w_EZF, expert_Bk), (x_BkbZ, w_EZF, expert_Bk)
 
 
