@@ -7,6 +7,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moejax.model.moe import balance
+from moejax.model.moe.router import route
 
 qb_bias = jax.jit(balance.qb_bias, static_argnames=("top_k", "n_bins"))
 qb_bias_exact = jax.jit(balance.qb_bias_exact, static_argnames="top_k")
@@ -89,31 +90,31 @@ def test_memory_is_linear_in_tokens_times_experts():
     assert largest <= max(tokens * experts, experts * n_bins), largest
 
 
-def _route(logits_TE, bias_E, top_k):
-    """Top-(K+1) on biased logits: choices, and margins against the (K+1)-th biased value (SPEC §2)."""
-    biased_TE = logits_TE + bias_E
-    values_TK1, experts_TK1 = jax.lax.top_k(biased_TE, top_k + 1)
-    margins_TE = logits_TE - values_TK1[:, -1:]
-    load_E = jnp.zeros(logits_TE.shape[1]).at[experts_TK1[:, :top_k].ravel()].add(1.0)
+def _route(x_TD, router_DE, bias_E, top_k):
+    """The model's router (`router.route`); margins against the threshold as `moe.layer.moe_block` feeds QB."""
+    r = route(x_TD, router_DE, bias_E, top_k, combine_scale=2.5)
+    margins_TE = r.logits_TE - r.threshold_T[:, None]
+    load_E = jnp.zeros(router_DE.shape[1]).at[r.expert_TK.ravel()].add(1.0)
     return margins_TE, load_E
 
 
 def test_qb_balances_a_skewed_router():
     tokens, width, experts, top_k = 2048, 32, 16, 2
     kx, kw = jax.random.split(jax.random.key(7))
-    x = jax.random.normal(kx, (tokens, width))
     w = jax.random.normal(kw, (width, experts)) / width**0.5
     skew = jnp.zeros(experts).at[0].set(3.0).at[1].set(1.5)  # expert 0 would take almost every token
-    logits = x @ w + skew
+    # A constant input feature whose router row is the skew: logits = x @ w + skew through the real router.
+    x = jnp.concatenate([jax.random.normal(kx, (tokens, width)), jnp.ones((tokens, 1))], axis=1)
+    w = jnp.concatenate([w, skew[None]], axis=0)
     mask = jnp.ones(tokens, bool)
     bias = jnp.zeros(experts)
-    margins, load = _route(logits, bias, top_k)
+    margins, load = _route(x, w, bias, top_k)
     first_ratio = float(load.max() / load.mean())
     assert first_ratio > 3.0, first_ratio  # the skew really unbalances routing
-    route = jax.jit(_route, static_argnums=2)
+    route_fn = jax.jit(_route, static_argnums=3)
     ratios = []
     for _ in range(BALANCE_STEPS):
         bias = qb_bias(margins, mask, top_k=top_k)
-        margins, load = route(logits, bias, top_k)
+        margins, load = route_fn(x, w, bias, top_k)
         ratios.append(float(load.max() / load.mean()))
     assert ratios[-1] < LOAD_RATIO_MAX, (first_ratio, ratios, np.asarray(load))

@@ -24,6 +24,9 @@ def test_count_json_hero(capsys):
     for key in ["active_params", "tokens_per_step", "steps", "tokens", "fwd_flops_per_token", "train_flops",
                 "train_flops_6nd"]:
         assert key in s
+    assert main(["count", "hero"]) == 0
+    text = capsys.readouterr().out
+    assert "2.695e+24" in text and "[the rule we use]" in text and "2.458e+24" in text  # SPEC §1: says which rule
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -18,7 +18,12 @@ from moejax.train.run_dir import RunError, prepare_run_dir
 from moejax.train.state import init_state
 
 OPTS = RunOptions(wandb="disabled", progress=False, peak_flops=1e11)
-LOSS_TRACK_RTOL = 0.02  # EP at cf 1.15 may drop a few assignments; the local path drops none
+# EP vs local, per step, in fp32 with capacity factors that drop nothing: the same math up to the order of
+# reductions (sharded matmul/grad sums, psum'd QB statistics), amplified by the bf16 Newton-Schulz of later
+# updates. Measured on CPU: 6e-8 at steps 0-1, growing to 2.6e-6 at step 4; a step moves the loss by 1e-3 to
+# 2e-2, so a wrong combine weight, a lost assignment or a mis-sharded gradient shows up within a step.
+NO_DROP_CF = 8.0
+EP_LOSS_RTOL = 2e-5
 
 
 def small(steps=5, **parallel):
@@ -27,19 +32,26 @@ def small(steps=5, **parallel):
     return replace(cfg, parallel=ParallelConfig(**parallel))
 
 
+def small_fp32_no_drop(**parallel):
+    cfg = apply_overrides(small(), ["model.compute_dtype=float32"])
+    return replace(cfg, parallel=ParallelConfig(**parallel, cf_send=NO_DROP_CF, cf_recv=NO_DROP_CF))
+
+
 def losses(run_dir):
     return [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ep_run_tracks_single_device(tmp_path):
-    train(small(), tmp_path / "one", OPTS)
-    summary = train(small(data=2, expert=4), tmp_path / "ep", OPTS)
+def test_ep_run_equals_single_device_per_step(tmp_path):
+    train(small_fp32_no_drop(), tmp_path / "one", OPTS)
+    summary = train(small_fp32_no_drop(data=2, expert=4), tmp_path / "ep", OPTS)
     a, b = losses(tmp_path / "one"), losses(tmp_path / "ep")
-    np.testing.assert_allclose(b, a, rtol=LOSS_TRACK_RTOL)
+    assert len(a) == len(b) == 5 and a[-1] < a[0]
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert y == pytest.approx(x, rel=EP_LOSS_RTOL), (step, x, y)
     assert "eval_dropless/loss" in summary  # the dropless eval runs the same weights on the local path
+    assert summary["eval/loss"] == pytest.approx(summary["eval_dropless/loss"], rel=EP_LOSS_RTOL)
     rows = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
-        assert 0.0 <= r["moe/drop_fraction"] == pytest.approx(r["moe/sender_drop_fraction"] + r["moe/receiver_drop_fraction"])
+    assert all(r["moe/drop_fraction"] == 0.0 for r in rows)  # so the comparison above is EP vs local, nothing else
 
 
 def test_pinned_host_state_equals_device_state(tmp_path):

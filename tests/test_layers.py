@@ -1,4 +1,5 @@
-"""SConv (causal, document-local, identity at init), GatedNorm formula, router combine weights, loss."""
+"""SConv (causal, document-local, identity at init), GatedNorm formula, router combine weights, loss, router
+metrics."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 from moejax.model.layers import Norm, init_conv, rms_norm, sconv
 from moejax.model.moe.router import route
 from moejax.model.transformer import lm_loss
+from moejax.train.step import moe_metrics
 
 FP32_ATOL = 1e-5
 FP32_RTOL = 1e-5
@@ -101,3 +103,21 @@ def test_loss_at_large_logit_scale_matches_fp32_oracle_and_streamed_path():
     v_b = lm_loss(hb, head, t, mask, 1e-4)["loss"]
     v_oracle_b = lm_loss(hb.astype(jnp.float32), head.astype(jnp.bfloat16).astype(jnp.float32), t, mask, 1e-4)["loss"]
     np.testing.assert_allclose(v_b, v_oracle_b, rtol=1e-3)
+
+
+def test_router_metrics_per_layer_under_the_reference_names():
+    """`moe_metrics`: routing entropy of the assignment counts (log E balanced, 0 collapsed) and capacity
+    overflow per layer; their means; the overflow mean equals moe/drop_fraction (same tokens per layer)."""
+    layers = {"valid": np.array([100, 100]), "sender_dropped": np.array([3, 0]), "receiver_dropped": np.array([2, 10]),
+              "load": np.array([[5.0, 5.0, 5.0, 5.0], [20.0, 0.0, 0.0, 0.0]]), "entropy": np.array([1.0, 2.0]),
+              "load_balancing_loss": np.array([1.0, 4.0]), "router_z_loss": np.array([0.5, 1.5]),
+              "max_over_mean_load": np.array([1.0, 4.0])}
+    m = {k: float(v) for k, v in moe_metrics(layers, 2).items()}
+    np.testing.assert_allclose([m["train/router/layer_0/routing_entropy"], m["train/router/layer_1/routing_entropy"]],
+                               [np.log(4.0), 0.0], atol=FP32_ATOL)
+    np.testing.assert_allclose([m["train/router/layer_0/capacity_overflow_rate"],
+                                m["train/router/layer_1/capacity_overflow_rate"]], [0.05, 0.10], rtol=FP32_RTOL)
+    np.testing.assert_allclose(m["train/router/capacity_overflow_rate_mean"], m["moe/drop_fraction"], rtol=FP32_RTOL)
+    np.testing.assert_allclose(m["train/router/routing_entropy_mean"], np.log(4.0) / 2, rtol=FP32_RTOL)
+    assert (m["train/router/layer_1/load_balancing_loss"], m["train/router/layer_1/router_z_loss"]) == (4.0, 1.5)
+    assert m["train/router/token_entropy"] == 1.5  # ours: mean per-token router entropy

@@ -11,7 +11,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moejax.train.heuristic import optimizer_heuristic
-from moejax.train.optimizer import hero_optimizer, newton_schulz, param_group, param_labels, scale_by_hyperball
+from moejax.config import apply_overrides
+from moejax.presets import preset
+from moejax.train.optimizer import (hero_optimizer, make_optimizer, newton_schulz, param_group, param_labels,
+                                    scale_by_hyperball)
 from moejax.train.schedule import warmup_linear_decay
 
 HEURISTIC_RTOL = 1e-3  # the brief's hero numbers are quoted to 2-3 significant digits
@@ -21,6 +24,9 @@ NS_SINGULAR_BAND = (0.6, 1.3)  # quintic NS deliberately stops short of exact or
 BF16_NS_RTOL = 2e-2  # bf16 iterations, stacked vs per-matrix call (different fusion / op order)
 NORM_RTOL = 1e-5  # fp32 hyperball renormalisation over several steps
 STEP_RTOL = 1e-2  # ||W' - W|| = lr ||W|| up to the O(lr^2) renormalisation
+# AdamH relative step vs the lr: the O(lr^2/2) renormalisation (~1e-4 at lr 1.3e-2) and the radial part of a
+# random sign-like direction (cos ~ 1/sqrt(64*96)) -- far below adam_lr/muonh_lr = 3/13.
+HEAD_STEP_RTOL = 1e-3
 ADAM_PARITY_ATOL = 1e-6
 FP32_PARITY_ATOL = 1e-6  # sharded vs unsharded, fp32 groups
 # Sharded vs unsharded MuonH/AdamH: bf16 Newton-Schulz partial sums may round differently; ~1e-7 is
@@ -207,6 +213,39 @@ def test_weight_decay_only_on_head_gate_and_router():
         np.testing.assert_allclose(updates[name], -1e-2 * 0.02 * params[name], rtol=SCHEDULE_RTOL)
     for name in ("embed", "router_bias"):
         assert float(jnp.abs(updates[name]).max()) == 0.0, name
+
+
+def test_adamh_head_steps_at_the_muonh_rate():
+    """SPEC §4: the LM head (AdamH) moves by the MuonH learning rate relative to its norm, every step, through
+    the run's own optimizer factory (d768 rung: muonh 1.31e-2, adam 3.02e-3)."""
+    cfg = apply_overrides(preset("d768"), ["train.warmup_fraction=0"])
+    tx, lr_fns = make_optimizer(cfg)
+    assert lr_fns["adam"](0) < lr_fns["muonh"](0) / 4
+    params = {"lm_head": jax.random.normal(jax.random.key(0), (64, 96)),
+              "wq": jax.random.normal(jax.random.key(1), (64, 64))}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for step in range(3):
+        key = jax.random.key(10 + step)
+        grads = jax.tree.map(lambda x, key=key: jax.random.normal(key, x.shape), params)
+        updates, state = update(grads, state, params)
+        new = optax.apply_updates(params, updates)
+        rel = float(jnp.linalg.norm(new["lm_head"] - params["lm_head"]) / jnp.linalg.norm(params["lm_head"]))
+        assert rel == pytest.approx(float(lr_fns["muonh"](step)), rel=HEAD_STEP_RTOL), step
+        params = new
+
+
+@pytest.mark.parametrize("optimizer", ["hero", "adam"])
+def test_weight_decay_config_reaches_the_optimizer(optimizer):
+    """train.weight_decay (SPEC §4's optional 0.02) decays head gate and router, at the Adam rate, nothing else."""
+    cfg = apply_overrides(preset("tiny"), [f"train.optimizer={optimizer}", "train.weight_decay=0.02",
+                                           "train.warmup_fraction=0"])
+    tx, lr_fns = make_optimizer(cfg)
+    params = {"router": jnp.ones((2, 4, 3)), "head_gate": jnp.ones((2, 4, 2)), "embed": jnp.ones((5, 4))}
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    for name in ("router", "head_gate"):
+        np.testing.assert_allclose(updates[name], -lr_fns["adam"](0) * 0.02 * params[name], rtol=SCHEDULE_RTOL)
+    assert float(jnp.abs(updates["embed"]).max()) == 0.0
 
 
 def _shardings(mesh):

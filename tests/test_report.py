@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from moejax.cli import main
-from moejax.report import load_matrix, load_rows, series
+from moejax.report import load_matrix, load_rows, overflow_keys, series
+from moejax.train.step import moe_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 5_000  # a blank 800x400 canvas alone compresses to ~3 kB; real plots are well above
@@ -14,8 +15,18 @@ ALL_FILES = {"loss.png", "drops.png", "learning_rate.png", "throughput.png", "gr
              "drops_per_layer.png", "expert_load.png"}
 
 
+def router_row(layers: int, experts: int) -> dict:
+    """Router metrics under the names the train step really writes (`moe_metrics`), so a renamed key there
+    that report.py does not follow loses a figure here."""
+    stats = {"valid": np.full(layers, 100), "sender_dropped": np.arange(layers), "receiver_dropped": np.ones(layers),
+             "load": np.ones((layers, experts)), "entropy": np.zeros(layers), "load_balancing_loss": np.ones(layers),
+             "router_z_loss": np.ones(layers), "max_over_mean_load": np.ones(layers)}
+    return {k: float(v) for k, v in moe_metrics(stats, layers).items() if k.startswith("train/router/")}
+
+
 def synthetic_rows(steps: int = 12, layers: int = 2, experts: int = 4) -> list[dict]:
     rng = np.random.default_rng(0)
+    router = router_row(layers, experts)
     rows = []
     for s in range(steps):
         load = rng.integers(50, 150, size=(layers, experts)).astype(float)
@@ -24,7 +35,7 @@ def synthetic_rows(steps: int = 12, layers: int = 2, experts: int = 4) -> list[d
                "moe/receiver_drop_fraction": 0.02 / (s + 1), "train/learning_rate": 1e-3 * min(1, s / 3),
                "throughput/mfu": 0.1, "throughput/tokens_per_second": 2000.0 + s,
                "train/grad_norm": "nan" if s == 5 else 1.0 / (s + 1), "train/router/load": load.tolist(),
-               **{f"train/router/overflow/layer_{i}": 0.01 * i for i in range(layers)}}
+               **router}
         if s % 4 == 3:
             row.update({"eval/loss": 6.5 - 0.2 * s, "eval_dropless/loss": 6.4 - 0.2 * s})
         rows.append(row)
@@ -112,3 +123,8 @@ def test_load_matrix_is_normalised_by_the_mean_over_experts():
     assert steps.tolist() == [0, 2]
     np.testing.assert_allclose(rel_LES[:, :, 0], [[0.5, 1.5], [1.0, 1.0]])
     np.testing.assert_allclose(rel_LES[:, :, 1], [[1.0, 1.0], [2.0, 0.0]])  # an idle layer reads as balanced
+
+
+def test_overflow_keys_are_the_train_step_names_in_layer_order():
+    keys = overflow_keys([router_row(layers=12, experts=4)])  # layer_10 sorts after layer_9, not after layer_1
+    assert keys == [f"train/router/layer_{i}/capacity_overflow_rate" for i in range(12)]

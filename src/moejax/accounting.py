@@ -8,13 +8,17 @@
 - `fwd_flops_per_token`: 2 * MACs of routed experts at latent width, shared experts, router, QKV/O
   projections (G KV heads on local layers, G_global on global ones), attention scores and values with the
   effective context (seq on global layers, min(seq, window) on local ones), the latent projections and
-  the LM head. Training FLOPs = 3 x forward (backward = 2 x forward); the 6*N_active*D rule is reported
-  beside it, labelled.
+  the LM head, plus the attention softmax: SOFTMAX_FLOPS_PER_SCORE per score element (mask, exp,
+  normalise; Levanter's `lm_flops_per_token` counts the same 3). Training FLOPs = 3 x forward
+  (backward = 2 x forward); the 6*N_active*D rule is reported beside it, labelled. Norms, gates, SConv
+  and the loss's softmax are left out: each is O(d) or O(V) per token, below the printed precision.
 """
 
 from __future__ import annotations
 
 from moejax.config import ModelConfig, RunConfig
+
+SOFTMAX_FLOPS_PER_SCORE = 3  # per attention score: mask/scale, exp, normalise (hero: +9.6e20 of 2.695e24)
 
 
 def _layer_params(m: ModelConfig, routed_experts: int) -> int:
@@ -44,6 +48,7 @@ def fwd_flops_per_token(m: ModelConfig, seq_len: int) -> float:
         ctx = seq_len if glob else min(seq_len, m.window)
         flops += 2 * (d * m.q_dim + 2 * d * kv_heads * hd + m.q_dim * d)  # QKV + O projections
         flops += 2 * 2 * m.n_heads * hd * ctx  # scores + weighted values
+        flops += SOFTMAX_FLOPS_PER_SCORE * m.n_heads * ctx  # the softmax over the scores
         flops += 2 * d * m.n_experts  # router
         flops += 2 * 2 * d * m.latent_width  # latent down + up
         flops += 2 * m.top_k * 3 * m.latent_width * m.expert_width  # routed experts at latent width
@@ -78,7 +83,7 @@ LABELS = {
     "tokens_per_step": "tokens per step (batch * seq)",
     "steps": "steps",
     "tokens": "tokens (tokens per step * steps)",
-    "fwd_flops_per_token": "forward FLOPs per token (latent experts, eff. context, LM head)",
+    "fwd_flops_per_token": "forward FLOPs per token (latent experts, eff. context, softmax, LM head)",
     "train_flops": "training FLOPs = 3 x forward FLOPs/token x tokens  [the rule we use]",
     "train_flops_6nd": "6 * N_active * D (for comparison only)",
 }

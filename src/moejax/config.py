@@ -131,8 +131,11 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     log_every: int = 1
-    eval_every: int = 0  # 0: only at the end
+    eval_every: int = 0  # also evaluate after every this-many steps; 0: only at the end
+    eval_at_start: bool = False  # also evaluate the initial weights (logged with step 0) on a fresh run
     eval_batches: int = 4
+    eval_batch_size: int = 0  # sequences per eval batch (SPEC §5: 64 per rack); 0: train.batch_size
+    weight_decay: float = 0.0  # decoupled decay on head gate and router only (SPEC §4: optional 0.02)
     opt_state_memory: str = "device"  # "device" | "pinned_host": where fp32 master + optimizer state live
     remat: bool = False  # rematerialise each block in the backward pass (the hero needs it for memory)
     checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
@@ -145,6 +148,9 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")
         _require(self.eval_every >= 0, f"eval_every ({self.eval_every}) must be >= 0")
+        _require(self.eval_batch_size >= 0, f"eval_batch_size ({self.eval_batch_size}) must be >= 0")
+        _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                 f"weight_decay ({self.weight_decay}) must be a finite number >= 0")
         _require(self.opt_state_memory in ("device", "pinned_host"),
                  f"opt_state_memory ({self.opt_state_memory!r}) must be 'device' or 'pinned_host'")
 
@@ -155,6 +161,11 @@ class TrainConfig:
     @property
     def total_tokens(self) -> int:
         return self.tokens_per_step * self.steps
+
+    @property
+    def eval_rows(self) -> int:
+        """Sequences per eval batch: eval_batch_size, or the training batch size when it is 0."""
+        return self.eval_batch_size or self.batch_size
 
 
 @dataclass(frozen=True)
@@ -292,6 +303,9 @@ class RunConfig:
                  f"n_experts ({m.n_experts}) is not divisible by the expert axis ({p.expert})")
         _require(t.batch_size % p.batch_shards == 0,
                  f"batch_size ({t.batch_size}) is not divisible by the batch shards "
+                 f"(replica_dcn*data*expert = {p.batch_shards})")
+        _require(t.eval_rows % p.batch_shards == 0,
+                 f"eval_batch_size ({t.eval_rows}) is not divisible by the batch shards "
                  f"(replica_dcn*data*expert = {p.batch_shards})")
         # Expert ids ride in the activation payload (SPEC §3): bf16 holds integers exactly only up to 256,
         # and the header stores local expert + 1 (0 = empty slot).

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from moejax import accounting
 from moejax.config import ConfigError, RunConfig
-from moejax.parallel.mesh import BATCH_AXES, MESH_AXES
+from moejax.parallel.mesh import BATCH_AXES, MESH_AXES, abstract_mesh
 
 GB = 1e9
 DEFAULT_MFU = 0.225

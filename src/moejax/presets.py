@@ -22,12 +22,21 @@ HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
 # sequences for 704 devices: it needs sequence parallelism, which moejax lacks so far.
 HERO_CONTEXT_SCHEDULE = "0.5:8192,0.95:65536,0.99:262144"
 
+# ---- racks and evaluation (SPEC §5) ----------------------------------------------------------------
+SEQUENCES_PER_RACK = 1024  # training batch: 1024 sequences of 4096 per rack (4.19M tokens), on every rung
+EVAL_SEQUENCES_PER_RACK = 64  # eval batch: 64 sequences per rack
+EXPERT_SHARDS = 64  # EP64 inside a rack (16 nodes x 4 GPUs)
+HERO_RACKS = 11
+HERO_EVAL_EVERY = 3000  # the hero evaluates every 3,000 steps, and at step 0
+RUNG_EVAL_FRACTION = 0.05  # the rungs evaluate every 5% of the run
+
 HERO = RunConfig(
     name="hero",
     model=replace(HERO_MODEL, **HERO_MEMORY),
-    train=TrainConfig(seq_len=4096, batch_size=11_264, steps=390_139, optimizer="hero", opt_state_memory="pinned_host",
-                      remat=True),
-    parallel=ParallelConfig(replica_dcn=11, data=1, expert=64, model=1),
+    train=TrainConfig(seq_len=4096, batch_size=SEQUENCES_PER_RACK * HERO_RACKS, steps=390_139, optimizer="hero",
+                      opt_state_memory="pinned_host", remat=True, eval_every=HERO_EVAL_EVERY, eval_at_start=True,
+                      eval_batch_size=EVAL_SEQUENCES_PER_RACK * HERO_RACKS),
+    parallel=ParallelConfig(replica_dcn=HERO_RACKS, data=1, expert=EXPERT_SHARDS, model=1),
     data=DataConfig(context_schedule=HERO_CONTEXT_SCHEDULE),
 )
 
@@ -35,7 +44,10 @@ HERO = RunConfig(
 # Width -> (layers, heads); head dim 128. 6144 is the hero itself.
 LADDER_SHAPES = {768: (8, 6), 1024: (12, 8), 1536: (16, 12), 2048: (22, 16), 6144: (48, 48)}
 TOKENS_PER_ACTIVE_PARAM = 791  # steps = round(791 * active params / tokens per step)
-LADDER_BATCH = 1024  # sequences per step (one rack)
+# Racks (data-parallel replicas over the data-centre network) per width: the batch is 1024 sequences per
+# rack, so every rack carries the same 4.19M tokens and drop dynamics stay comparable across rungs; d2048
+# runs the hero's 11 racks (11,264 sequences).
+LADDER_RACKS = {768: 1, 1024: 2, 1536: 6, 2048: 11, 6144: HERO_RACKS}
 
 
 def ladder_shape(base: ModelConfig, d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
@@ -47,14 +59,18 @@ def ladder_shape(base: ModelConfig, d_model: int, n_layers: int, n_heads: int) -
 
 
 def ladder_rung(d_model: int) -> RunConfig:
-    """The ladder rung at this width: shapes from LADDER_SHAPES, steps from 791 tokens/active param."""
+    """The ladder rung at this width: shapes from LADDER_SHAPES, 1024 sequences x LADDER_RACKS racks per step
+    on a (racks, 1, 64, 1) mesh, steps from 791 tokens/active param, an eval every 5% of the run."""
     if d_model not in LADDER_SHAPES:
         raise ConfigError(f"no ladder rung at width {d_model} (known: {sorted(LADDER_SHAPES)})")
     model = ladder_shape(replace(HERO_MODEL, **HERO_MEMORY), d_model, *LADDER_SHAPES[d_model])
-    train = TrainConfig(seq_len=4096, batch_size=LADDER_BATCH, steps=1, optimizer="hero")
+    racks = LADDER_RACKS[d_model]
+    train = TrainConfig(seq_len=4096, batch_size=SEQUENCES_PER_RACK * racks, steps=1, optimizer="hero",
+                        eval_batch_size=EVAL_SEQUENCES_PER_RACK * racks)
     steps = round(TOKENS_PER_ACTIVE_PARAM * active_params(model) / train.tokens_per_step)
-    return RunConfig(name=f"d{d_model}", model=model, train=replace(train, steps=steps),
-                     parallel=ParallelConfig(expert=64))
+    train = replace(train, steps=steps, eval_every=max(1, round(RUNG_EVAL_FRACTION * steps)))
+    return RunConfig(name=f"d{d_model}", model=model, train=train,
+                     parallel=ParallelConfig(replica_dcn=racks, expert=EXPERT_SHARDS))
 
 
 # The CPU demo: every hero feature at toy size (local + global layers, split KV heads, window < seq,

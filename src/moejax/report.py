@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ FIGURES = (
     ("grad_norm", "gradient norm", (("global grad norm", True, (("train/grad_norm", "grad norm"),)),)),
 )
 LOAD_KEY = "train/router/load"
-OVERFLOW_PREFIX = "train/router/overflow/layer_"
+OVERFLOW_KEY = re.compile(r"^train/router/layer_(\d+)/capacity_overflow_rate$")  # the reference's name
 
 
 def _plt():
@@ -87,8 +88,9 @@ def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def overflow_keys(rows: list[dict]) -> list[str]:
-    keys = {k for row in rows for k in row if k.startswith(OVERFLOW_PREFIX)}
-    return sorted(keys, key=lambda k: int(k[len(OVERFLOW_PREFIX):]) if k[len(OVERFLOW_PREFIX):].isdigit() else -1)
+    """The per-layer `train/router/layer_i/capacity_overflow_rate` keys of the rows, in layer order."""
+    keys = {k for row in rows for k in row if OVERFLOW_KEY.match(k)}
+    return sorted(keys, key=lambda k: int(OVERFLOW_KEY.match(k).group(1)))
 
 
 def plot_lines(rows: list[dict], stem: str, title: str, panels, out_dir: Path) -> Path | None:
@@ -117,9 +119,9 @@ def plot_lines(rows: list[dict], stem: str, title: str, panels, out_dir: Path) -
 
 
 def plot_overflow(rows: list[dict], out_dir: Path) -> Path | None:
-    """Per-layer dropped fraction (`train/router/overflow/layer_i`), one curve per layer."""
+    """Per-layer dropped fraction (`train/router/layer_i/capacity_overflow_rate`), one curve per layer."""
     keys = overflow_keys(rows)
-    curves = [(key[len("train/router/overflow/"):], key) for key in keys]
+    curves = [(f"layer_{OVERFLOW_KEY.match(key).group(1)}", key) for key in keys]
     return plot_lines(rows, "drops_per_layer", "MoE dropped fraction per layer",
                       (("fraction of valid assignments", False, tuple((k, lbl) for lbl, k in curves)),), out_dir)
 

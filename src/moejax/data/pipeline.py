@@ -6,8 +6,8 @@
 
 `cfg.data.store == ""` is the embedded KJV corpus with a BPE trained at `model.vocab_size` (the demo),
 prepared into the cache on first use (`kjv_store`); otherwise a store written by `moejax data prepare`.
-Eval batches use the first-phase weights at the base sequence length and batch size, so eval numbers stay
-comparable across context-length phases.
+Eval batches use the first-phase weights at the base sequence length and `train.eval_rows` sequences (SPEC §5:
+64 per rack), so eval numbers stay comparable across context-length phases.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
                   process_count=process_count)
     train = MixtureLoader(ranges=tuple((0, c) for c in cuts), spans=tuple(spans), split="train", **common)
     first = phases[0][1]
-    eval_span = Span(0, 1, t.seq_len, t.batch_size, tuple(sorted(first)),
+    eval_span = Span(0, 1, t.seq_len, t.eval_rows, tuple(sorted(first)),
                      tuple(integer_weights([first[k] for k in sorted(first)])), tuple(0 for _ in first))
     evals = MixtureLoader(ranges=tuple((c, s.n_tokens) for c, s in zip(cuts, sources)), spans=(eval_span,),
                           split="eval", **common)

@@ -88,7 +88,7 @@ def result_row(cfg: RunConfig, run_dir: Path, status: str, wall: float) -> dict:
     m, t = cfg.model, cfg.train
     rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    grads = [_finite(r.get("train/grad_norm")) for r in rows]
+    grads = [_finite(r["train/grad_norm"]) for r in rows if "train/grad_norm" in r]  # not eval-only rows
     last = rows[-1] if rows else {}
     return {
         "name": cfg.name, "width": m.d_model, "layers": m.n_layers,

@@ -10,8 +10,11 @@ Sources:
   hero d6144 (48, 48); head dim 128 throughout.
 - KV split: local layers use H/4 projected KV heads, global layers the first max(1, H/8) (hero: 12 / 6).
 - expert width = latent width = shared-expert width = d/2 (hero: 3072 at d 6144); 384 experts top-8.
-- batch: 1024 sequences of 4096 per rack (one rack per rung); the hero runs 11 racks at 11,264 sequences.
-- steps = round(791 * active params / tokens per step) (SPEC §5; the hero's 18.0T tokens / 22.76B active).
+- batch: 1024 sequences of 4096 per rack, racks d768 1, d1024 2, d1536 6, d2048 11 (`presets.LADDER_RACKS`), so
+  every rack carries the same 4.19M tokens; the hero runs 11 racks at 11,264 sequences. Mesh (racks, 1, 64, 1).
+- steps = round(791 * active params / tokens per step) (SPEC §5; the hero's 18.0T tokens / 22.76B active):
+  d768 11,420; d1024 15,276; d1536 15,128; d2048 20,072.
+- eval: every 5% of a rung's run (every 3,000 steps and at step 0 on the hero), 64 sequences per rack.
 - learning rates / beta2 / eps: the fitted heuristic of SPEC §4 (`train.heuristic.optimizer_heuristic`).
 - FLOPs: 3 x forward FLOPs/token x tokens (`accounting.fwd_flops_per_token`); 6*N_active*D beside it.
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from moejax import accounting
 from moejax.config import ConfigError, RunConfig
-from moejax.presets import HERO, LADDER_BATCH, LADDER_SHAPES, TOKENS_PER_ACTIVE_PARAM, ladder_rung
+from moejax.presets import HERO, LADDER_SHAPES, SEQUENCES_PER_RACK, TOKENS_PER_ACTIVE_PARAM, ladder_rung
 from moejax.train.heuristic import optimizer_heuristic
 
 LADDER_WIDTHS = tuple(sorted(d for d in LADDER_SHAPES if d != HERO.model.d_model))
@@ -46,6 +49,7 @@ def config_numbers(cfg: RunConfig, hero_flops: float | None = None) -> dict:
         "n_global_layers": m.n_global_layers, "n_experts": m.n_experts, "top_k": m.top_k,
         "expert_width": m.expert_width, "latent_width": m.latent_width, "shared_width": m.shared_width,
         "seq_len": t.seq_len, "batch_size": t.batch_size, "tokens_per_step": t.tokens_per_step,
+        "racks": cfg.parallel.replica_dcn, "eval_every": t.eval_every, "eval_batch_size": t.eval_rows,
         "active_params": accounting.active_params(m), "total_params": accounting.total_params(m),
         "steps": t.steps, "tokens": t.total_tokens,
         "tokens_per_active_param": t.total_tokens / accounting.active_params(m),
@@ -90,12 +94,13 @@ def format_rung(r: dict) -> str:
         ("expert / latent / shared width", f"{r['expert_width']} / {r['latent_width']} / {r['shared_width']}",
          f"d/2 = {d}/2"),
         ("batch", f"{r['batch_size']:,} x {r['seq_len']:,} = {r['tokens_per_step']:,} tok",
-         "1024 seq/rack x 4096" if r["batch_size"] == LADDER_BATCH else "hero: 11 racks"),
+         f"{SEQUENCES_PER_RACK} seq/rack x {r['racks']} rack{'s' if r['racks'] > 1 else ''}"),
         ("active params N", _fmt(r["active_params"]), "L*(attn+router+latent+shared+K routed)"),
         ("total params", _fmt(r["total_params"]), "L*(...+E routed) + 2*V*d"),
         ("steps", _fmt(r["steps"]),
-         f"round({TOKENS_PER_ACTIVE_PARAM}*N/{r['tokens_per_step']:,})" if r["batch_size"] == LADDER_BATCH
-         else "hero preset (= 791 tok/param)"),
+         "hero preset (= 791 tok/param)" if r["name"] == HERO.name
+         else f"round({TOKENS_PER_ACTIVE_PARAM}*N/{r['tokens_per_step']:,})"),
+        ("eval", f"every {r['eval_every']:,} steps, {r['eval_batch_size']:,} seq", "64 seq/rack; rungs every 5%"),
         ("tokens D", f"{r['tokens']:.4g} ({r['tokens_per_active_param']:.1f}/param)", "steps * tokens/step"),
         ("adam lr", f"{r['adam_lr']:.3e}", "min(.05, .06602 T^-.395 d^-.15 sqrt(B))"),
         ("muonh lr", f"{r['muonh_lr']:.3e}", "min(.05, 13/3 adam_lr)"),
@@ -110,11 +115,11 @@ def format_rung(r: dict) -> str:
 
 def format_ladder_plan(plan: dict) -> str:
     parts = [format_rung(r) for r in plan["rungs"]] + [format_rung(plan["hero"])]
-    table = [f"{'rung':<7}{'d':>6}{'L':>4}{'H':>4}{'active':>16}{'total':>18}{'steps':>10}{'tokens':>11}"
-             f"{'muonh lr':>10}{'FLOPs':>11}{'share':>10}"]
+    table = [(f"{'rung':<7}{'d':>6}{'L':>4}{'H':>4}{'racks':>6}{'active':>16}{'total':>18}{'steps':>10}{'tokens':>11}"
+              f"{'muonh lr':>10}{'FLOPs':>11}{'share':>10}")]
     for r in plan["rungs"] + [plan["hero"]]:
-        table.append(f"{r['name']:<7}{r['d_model']:>6}{r['n_layers']:>4}{r['n_heads']:>4}{r['active_params']:>16,}"
-                     f"{r['total_params']:>18,}{r['steps']:>10,}{r['tokens']:>11.3e}{r['muonh_lr']:>10.2e}"
+        table.append(f"{r['name']:<7}{r['d_model']:>6}{r['n_layers']:>4}{r['n_heads']:>4}{r['racks']:>6}"
+                     f"{r['active_params']:>16,}{r['total_params']:>18,}{r['steps']:>10,}{r['tokens']:>11.3e}{r['muonh_lr']:>10.2e}"
                      f"{r['train_flops']:>11.3e}{100 * r['share_of_hero']:>9.4f}%")
     share = plan["ladder_share_of_hero"]
     total = (f"ladder total: {plan['ladder_flops']:.4g} FLOPs = {100 * share:.3f}% of the hero's "

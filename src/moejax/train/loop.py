@@ -142,6 +142,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                dynamic_ncols=True)
     history, t_start = [], time.perf_counter()
     try:
+        if start == 0 and t.eval_at_start:  # the initial weights: an eval-only row of step 0, before its train row
+            writer.log(0, _eval_metrics(s, data, t.eval_batches))
         with PreemptionGuard() as guard:
             for step in range(start, t.steps):
                 t0 = time.perf_counter()

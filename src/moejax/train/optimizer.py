@@ -3,8 +3,8 @@ MuonH for weight matrices, AdamH for the LM head, Adam for the rest.
 
 Groups are chosen by the parameter's field name (the last key of its pytree path), never by shape:
   muonh  Nesterov momentum -> quintic Newton-Schulz (bf16) -> sqrt(max(1, fan_out/fan_in)) -> hyperball
-  adamh  Adam direction -> hyperball
-  adam   plain Adam (optional decoupled weight decay on `head_gate` and `router` only)
+  adamh  Adam direction -> hyperball, at the MuonH learning rate (SPEC §4: a relative step, like MuonH's)
+  adam   plain Adam at the Adam rate (optional decoupled weight decay on `head_gate` and `router` only)
   frozen the QB router bias: set by quantile balancing each step (train/step.py), never by the
          optimizer, so it gets zero updates and no optimizer state
 The hyperball step (Wen et al. 2025, "Hyperball optimization"; used by the public run) moves each
@@ -178,7 +178,8 @@ def hero_optimizer(*, adam_lr: optax.ScalarOrSchedule, muonh_lr: optax.ScalarOrS
     """SPEC §4 optimizer: MuonH / AdamH / Adam partitioned by `param_group` (the router bias frozen).
 
     The learning rates are peaks or schedules (`make_optimizer` passes the warmup + linear-decay ones).
-    AdamH (the LM head) runs on the Adam rate.
+    AdamH (the LM head) runs at `muonh_lr`: both hyperball groups take relative steps of the same size
+    (the reference recipe; on the hero 3.05e-3 per step, where adam_lr would give 7.04e-4).
     `weight_decay` > 0 adds decoupled (lr-scaled, optax.adamw) decay to `head_gate` and `router` only.
     """
     if weight_decay < 0:
@@ -190,7 +191,7 @@ def hero_optimizer(*, adam_lr: optax.ScalarOrSchedule, muonh_lr: optax.ScalarOrS
                 scale_by_newton_schulz(ns_steps),
                 scale_by_hyperball(muonh_lr),
             ),
-            "adamh": optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_hyperball(adam_lr)),
+            "adamh": optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_hyperball(muonh_lr)),
             "adam": optax.adamw(adam_lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_weight_decay_mask),
             "frozen": optax.set_to_zero(),
         },
@@ -206,17 +207,23 @@ def make_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, dict[s
     """(optimizer, {group: lr schedule}) of a run; each schedule is built once and shared with the metrics.
 
     `adam`: optax Adam on every trained leaf at train.learning_rate. `hero`: MuonH/AdamH/Adam (SPEC §4) with
-    the fitted heuristic for the lrs, eps and beta2 from (total tokens, width, tokens per batch).
+    the fitted heuristic for the lrs, eps and beta2 from (total tokens, width, tokens per batch); its "muonh"
+    schedule drives MuonH and AdamH, "adam" drives Adam. Both apply train.weight_decay (decoupled) to head
+    gate and router only.
     """
     t = cfg.train
     sched = lambda peak: warmup_linear_decay(peak, t.steps, t.warmup_fraction, t.min_lr_fraction)
     if t.optimizer == "hero":
         hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
         lr_fns = {"muonh": sched(hp.muonh_lr), "adam": sched(hp.adam_lr)}
-        opt = hero_optimizer(adam_lr=lr_fns["adam"], muonh_lr=lr_fns["muonh"], b1=hp.beta1, b2=hp.beta2, eps=hp.eps)
+        opt = hero_optimizer(adam_lr=lr_fns["adam"], muonh_lr=lr_fns["muonh"], b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
+                             weight_decay=t.weight_decay)
         return opt, lr_fns
     lr_fns = {"adam": sched(t.learning_rate)}
     labels = lambda params: jax.tree_util.tree_map_with_path(lambda path, _: _frozen_or("adam", path), params)
-    opt = optax.partition({"adam": optax.adam(lr_fns["adam"], b1=t.b1, b2=t.b2, eps=t.eps),
-                           "frozen": optax.set_to_zero()}, labels)
+    adam = optax.adam(lr_fns["adam"], b1=t.b1, b2=t.b2, eps=t.eps)
+    if t.weight_decay:  # only then: plain Adam's state layout stays that of existing checkpoints
+        adam = optax.adamw(lr_fns["adam"], b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                           mask=_weight_decay_mask)
+    opt = optax.partition({"adam": adam, "frozen": optax.set_to_zero()}, labels)
     return opt, lr_fns

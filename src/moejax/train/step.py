@@ -27,23 +27,45 @@ def with_router_bias(params: Transformer, bias_LE: jax.Array) -> Transformer:
     return replace(params, blocks=replace(params.blocks, moe=moe))
 
 
+ROUTING_ENTROPY_EPS = 1e-6  # inside the log of the reference's routing entropy (its value, for comparable curves)
+
+
+def routing_entropy(load_LE: jax.Array) -> jax.Array:
+    """[L] entropy of each layer's assignment distribution over experts (the reference dashboard's
+    `routing_entropy`): log(E) when balanced, 0 when every assignment goes to one expert."""
+    frac = load_LE / jnp.maximum(jnp.sum(load_LE, axis=-1, keepdims=True), 1.0)
+    return -jnp.sum(frac * jnp.log(frac + ROUTING_ENTROPY_EPS), axis=-1)
+
+
 def moe_metrics(layers: dict, n_layers: int, prefix: str = "") -> dict:
-    """Scalars from the per-layer stats stacked along L."""
+    """Scalars from the per-layer stats stacked along L, under the reference dashboard's names where it has
+    one (README "Metric names"): `train/router/layer_{i}/{capacity_overflow_rate, routing_entropy,
+    load_balancing_loss, router_z_loss}` and their layer means."""
     valid = jnp.maximum(jnp.sum(layers["valid"]), 1).astype(jnp.float32)
     sender = jnp.sum(layers["sender_dropped"]).astype(jnp.float32)
     receiver = jnp.sum(layers["receiver_dropped"]).astype(jnp.float32)
+    overflow_L = ((layers["sender_dropped"] + layers["receiver_dropped"])
+                  / jnp.maximum(layers["valid"], 1)).astype(jnp.float32)
+    entropy_L = routing_entropy(layers["load"])
     out = {
         f"{prefix}moe/drop_fraction": (sender + receiver) / valid,
         f"{prefix}moe/sender_drop_fraction": sender / valid,
         f"{prefix}moe/receiver_drop_fraction": receiver / valid,
-        f"{prefix}train/router/entropy": jnp.mean(layers["entropy"]),
+        f"{prefix}train/router/capacity_overflow_rate_mean": jnp.mean(overflow_L),
+        f"{prefix}train/router/routing_entropy_mean": jnp.mean(entropy_L),
+        # Ours (no reference name): the mean per-token entropy of softmax(router logits), i.e. how sharp
+        # the router is, which the load-spread entropy above cannot show.
+        f"{prefix}train/router/token_entropy": jnp.mean(layers["entropy"]),
         f"{prefix}train/router/load_balancing_loss": jnp.mean(layers["load_balancing_loss"]),
         f"{prefix}train/router/router_z_loss": jnp.mean(layers["router_z_loss"]),
         f"{prefix}train/router/max_over_mean_load": jnp.max(layers["max_over_mean_load"]),
     }
-    overflow = (layers["sender_dropped"] + layers["receiver_dropped"]) / jnp.maximum(layers["valid"], 1)
     for i in range(n_layers):
-        out[f"{prefix}train/router/overflow/layer_{i}"] = overflow[i].astype(jnp.float32)
+        layer = f"{prefix}train/router/layer_{i}/"
+        out[layer + "capacity_overflow_rate"] = overflow_L[i]
+        out[layer + "routing_entropy"] = entropy_L[i]
+        out[layer + "load_balancing_loss"] = layers["load_balancing_loss"][i]
+        out[layer + "router_z_loss"] = layers["router_z_loss"][i]
     return out
 
 
