@@ -61,7 +61,7 @@ def time_interleaved(runs: list[tuple[str, object, tuple]], reps: int) -> dict[s
 def grouped_fn(block: int, n_exp: int):
     def f(x_AZ, w_EZF, expert_A):
         layout = make_layout(expert_A, n_exp, block)
-        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, layout.expert_N), layout)
+        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, layout.expert_Bk), layout)
     return f
 
 
@@ -80,7 +80,7 @@ def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
     x_NbZ = to_blocks(x_AZ, layout)
     ct_NbF = jax.random.normal(kc, x_NbZ.shape[:2] + (a.f,), dt)
     out.append((f"block matmul only, b={layout.block}, {layout.n_blocks} blocks",
-                fwd_bwd(lambda x, w, e: block_matmul(x, w, e)), (x_NbZ, w_EZF, ct_NbF, layout.expert_N)))
+                fwd_bwd(lambda x, w, e: block_matmul(x, w, e)), (x_NbZ, w_EZF, ct_NbF, layout.expert_Bk)))
     if a.ragged:
         sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
         out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))

@@ -107,7 +107,7 @@ def test_layout_blocks_are_single_expert_and_bounded():
     b, n_exp = 8, len(sizes)
     layout = make_layout(expert_A, n_exp, b)
     assert layout.block == b and layout.n_blocks == (sizes.sum() + n_exp * (b - 1)) // b
-    row_P, slot_A, expert_N = map(np.asarray, (layout.row_P, layout.slot_A, layout.expert_N))
+    row_P, slot_A, expert_N = map(np.asarray, (layout.row_Pd, layout.slot_A, layout.expert_Bk))
     assert np.all(row_P[slot_A] == np.arange(sizes.sum())), "slot and row are inverse maps"
     real_P = row_P < sizes.sum()
     assert real_P.sum() == sizes.sum()
