@@ -75,3 +75,4 @@ def test_short_training_run_and_different_run_refused(tmp_path):
 
     s = run_cli("summary", "run", cwd=tmp_path)
     assert s.returncode == 0 and "train loss" in s.stdout
+    assert "alarms      none" in s.stdout  # QB, dropless: a healthy run raises nothing

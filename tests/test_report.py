@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moejax.cli import main
-from moejax.report import load_matrix, load_rows, overflow_keys, series
+from moejax.report import load_matrix, load_rows, overflow_keys, series, step_edges
 from moejax.train.step import moe_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -128,3 +128,20 @@ def test_load_matrix_is_normalised_by_the_mean_over_experts():
 def test_overflow_keys_are_the_train_step_names_in_layer_order():
     keys = overflow_keys([router_row(layers=12, experts=4)])  # layer_10 sorts after layer_9, not after layer_1
     assert keys == [f"train/router/layer_{i}/capacity_overflow_rate" for i in range(12)]
+
+
+def test_sparse_loads_every_n_steps_plus_the_last(tmp_path, capsys):
+    """Loads logged every 5 steps and at the last step (train.load_log_every): the heat map still draws,
+    with columns placed at the steps that logged them."""
+    rows = synthetic_rows(steps=23)
+    for r in rows:
+        if r["step"] % 5 and r["step"] != 22:
+            del r["train/router/load"]
+    run = tmp_path / "run"
+    write_metrics(run, rows)
+    steps, rel_LES = load_matrix(load_rows(run))
+    assert steps.tolist() == [0, 5, 10, 15, 20, 22] and rel_LES.shape == (2, 4, 6)
+    np.testing.assert_allclose(step_edges(steps), [-2.5, 2.5, 7.5, 12.5, 17.5, 21.0, 23.0])
+    np.testing.assert_allclose(step_edges(np.array([7])), [6.5, 7.5])
+    assert main(["report", str(run), "--layer", "1"]) == 0
+    assert_png(run / "report" / "expert_load_layer1.png")

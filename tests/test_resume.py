@@ -47,6 +47,11 @@ def test_sigterm_then_resume_is_bit_identical(tmp_path):
     assert [x["step"] for x in b] == list(range(8))  # each step logged once
     for key in ("train/loss", "train/grad_norm", "train/param_norm", "eval/loss"):
         assert [x.get(key) for x in a] == [x.get(key) for x in b], key
+    # The resumed run's summary covers the whole run (issue 13 item 9), not only steps 4..7.
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (straight, broken))
+    assert sb["steps"] == sa["steps"] == 8 and sb["first_step"] == 0
+    assert sb["first_loss"] == sa["first_loss"] == b[0]["train/loss"] and sb["last_loss"] == sa["last_loss"]
+    assert sb["wall_seconds"] > b[3]["time/wall_seconds"] > 0  # earlier segments' time included
     (sa, ma), (sb, mb) = final_state(straight), final_state(broken)
     assert ma["step"] == mb["step"] == 8
     for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):

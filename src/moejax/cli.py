@@ -2,7 +2,7 @@
 
   moejax count PRESET [--json]                       parameter / FLOP accounting
   moejax train --preset P --run-dir DIR [--steps N] [--set section.field=value ...]
-  moejax summary RUN_DIR                             first/last loss, tokens/s, MFU of a finished run
+  moejax summary RUN_DIR                             first/last loss, tokens/s, MFU, alarms of a finished run
   moejax generate RUN_DIR --prompt TEXT              continue a prompt with the run's newest checkpoint
   moejax export RUN_DIR --out DIR                    weights as safetensors + config + tokenizer
 
@@ -135,8 +135,24 @@ def _cmd_summary(args) -> int:
         print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}")
     print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   MFU {100 * s['mfu']:.1f}% of measured matmul peak")
     print(f"  MoE drops   {100 * s['drop_fraction']:.2f}%")
+    for line in _alarm_lines(s):
+        print(line)
     print(f"  files       {args.run_dir}/metrics.jsonl, config.json, run_info.json, summary.json")
     return 0
+
+
+def _alarm_lines(s: dict) -> list[str]:
+    """The summary's routing-health alarms: per kind, how many were raised, the first and the last."""
+    if "alarms" not in s:  # a summary.json written before alarms existed
+        return []
+    if not s["alarms"]:
+        return ["  alarms      none"]
+    out = []
+    for kind, a in s["alarms"].items():
+        out.append(f"  alarms      {kind}: raised {a['count']}x; first: {a['first']}")
+        if a["count"] > 1:
+            out.append(f"              last:  {a['last']}")
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

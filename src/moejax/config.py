@@ -1,6 +1,6 @@
 """Frozen, self-validating configuration: the dataclasses and nothing else.
 
-A run is `RunConfig(model, train, parallel, data)`. Every dataclass validates itself in `__post_init__` and
+A run is `RunConfig(model, train, parallel, data, alarms)`. Every dataclass validates itself in `__post_init__` and
 raises `ConfigError` (a `ValueError`) naming the field and the numbers involved. Derived quantities are
 properties. The named presets (tiny, ladder rungs, hero) and the ladder rule live in `moejax.presets`;
 mesh axis names and PartitionSpecs in `moejax.parallel.mesh`. This module imports nothing from moejax.
@@ -131,6 +131,9 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     log_every: int = 1
+    # Per-expert loads ([L, E] train/router/load) go to metrics.jsonl only every this many steps (and at the
+    # last step): at hero shape they are ~230 KB of JSON per row. 0 = never. Scalars follow log_every.
+    load_log_every: int = 100
     eval_every: int = 0  # also evaluate after every this-many steps; 0: only at the end
     eval_at_start: bool = False  # also evaluate the initial weights (logged with step 0) on a fresh run
     eval_batches: int = 4
@@ -151,6 +154,7 @@ class TrainConfig:
         _require(self.eval_batch_size >= 0, f"eval_batch_size ({self.eval_batch_size}) must be >= 0")
         _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                  f"weight_decay ({self.weight_decay}) must be a finite number >= 0")
+        _require(self.load_log_every >= 0, f"load_log_every ({self.load_log_every}) must be >= 0")
         _require(self.opt_state_memory in ("device", "pinned_host"),
                  f"opt_state_memory ({self.opt_state_memory!r}) must be 'device' or 'pinned_host'")
 
@@ -288,12 +292,42 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class AlarmConfig:
+    """Routing-health alarms (moejax.train.alarms): thresholds over metrics the train step already returns.
+    Routing checks run every `every` steps and count in checks; the grad-norm check runs every step (a
+    spike lasts one step). Monitoring only: changing these between restarts of a run is allowed."""
+
+    enabled: bool = True
+    every: int = 10  # steps between routing checks (collapse, dead experts, drops, bias drift)
+    patience: int = 3  # consecutive bad checks before collapse / dead-expert / high-drop alarms
+    window: int = 50  # checks in the drop and bias trend windows; steps in the grad-norm median
+    collapse_ratio: float = 4.0  # a layer's max / mean expert load at or above this is collapsing
+    dead_load: float = 0.01  # an expert's load / mean load at or below this is dead
+    drop_max: float = 0.10  # drop fraction at or above this (hero at 4K: ~3%, SPEC §5)
+    drop_rise: float = 0.03  # drop fraction rising by this much across a full window (fitted line)
+    bias_range_max: float = 20.0  # max over layers of the router bias range (max - min over experts)
+    bias_growth: float = 1.0  # bias range rising across a full window by this fraction of its mean
+    grad_spike: float = 10.0  # grad norm at or above this many times the median of the last `window` steps
+
+    def __post_init__(self):
+        _positive(self, "every", "patience", "collapse_ratio", "drop_max", "drop_rise", "bias_range_max",
+                  "bias_growth", "grad_spike")
+        _require(self.window >= 3, f"alarms.window ({self.window}) must be >= 3 (a trend needs three points)")
+        _require(self.collapse_ratio > 1.0, f"alarms.collapse_ratio ({self.collapse_ratio}) must be > 1 "
+                                            "(max / mean load is 1 when balanced)")
+        _require(0.0 <= self.dead_load < 1.0, f"alarms.dead_load ({self.dead_load}) must be in [0, 1)")
+        _require(self.grad_spike > 1.0, f"alarms.grad_spike ({self.grad_spike}) must be > 1")
+        _require(self.drop_max <= 1.0, f"alarms.drop_max ({self.drop_max}) must be <= 1")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     name: str = "custom"
     data: DataConfig = field(default_factory=DataConfig)
+    alarms: AlarmConfig = field(default_factory=AlarmConfig)
 
     def __post_init__(self):
         m, t, p = self.model, self.train, self.parallel
@@ -317,7 +351,7 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {"name": self.name, "model": dataclasses.asdict(self.model),
                 "train": dataclasses.asdict(self.train), "parallel": dataclasses.asdict(self.parallel),
-                "data": dataclasses.asdict(self.data)}
+                "data": dataclasses.asdict(self.data), "alarms": dataclasses.asdict(self.alarms)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -326,11 +360,12 @@ class RunConfig:
     def from_dict(d: dict) -> "RunConfig":
         return RunConfig(model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]),
                          parallel=ParallelConfig(**d["parallel"]), name=d.get("name", "custom"),
-                         data=DataConfig(**d.get("data", {})))
+                         data=DataConfig(**d.get("data", {})), alarms=AlarmConfig(**d.get("alarms", {})))
 
 
 # ---- overrides ---------------------------------------------------------------------------------
-_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig, "data": DataConfig}
+_SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig, "data": DataConfig,
+             "alarms": AlarmConfig}
 
 
 def _coerce(cls: type, name: str, raw: str) -> Any:

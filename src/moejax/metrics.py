@@ -46,6 +46,8 @@ class MetricsWriter:
 
 
 def to_py(v):
+    if type(v) in (int, float, str):  # already a JSON scalar (most of a row): skip numpy
+        return v if type(v) is not float or math.isfinite(v) else str(v)
     a = np.asarray(v)
     if a.ndim == 0:
         x = a.item()

@@ -6,8 +6,9 @@ gets fewer curves or files. Series are plotted against the step of the rows that
 keys (eval every N steps, `log_every` > 1) need no alignment. Non-finite values, which `metrics.py`
 writes as strings ("nan", "inf"), are left out of the curves.
 
-The expert-load heat map shows load / mean load over experts at each step (1 = a fair share), on a
-diverging scale centred on 1, for every layer (one panel each) or the one given by `--layer`.
+The expert-load heat map shows load / mean load over experts at each step that logged the loads (every
+`train.load_log_every` steps and the last; 1 = a fair share), on a diverging scale centred on 1, for every
+layer (one panel each) or the one given by `--layer`; each column spans halfway to its neighbours.
 Matplotlib runs on the Agg backend: no display is needed.
 """
 
@@ -148,6 +149,16 @@ def load_matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(steps), rel_SLE.transpose(1, 2, 0)
 
 
+def step_edges(steps: np.ndarray) -> np.ndarray:
+    """Column edges for loads logged at these steps: halfway between neighbours, so columns keep their
+    place when loads are logged every N steps plus the last step (uneven spacing)."""
+    s = np.asarray(steps, dtype=np.float64)
+    if len(s) == 1:
+        return np.array([s[0] - 0.5, s[0] + 0.5])
+    mid = (s[1:] + s[:-1]) / 2.0
+    return np.concatenate([[2.0 * s[0] - mid[0]], mid, [2.0 * s[-1] - mid[-1]]])
+
+
 def plot_load(rows: list[dict], out_dir: Path, layer: int | None) -> Path | None:
     steps, rel_LES = load_matrix(rows)
     if not len(steps):
@@ -161,11 +172,12 @@ def plot_load(rows: list[dict], out_dir: Path, layer: int | None) -> Path | None
 
     vmax = max(2.0, float(np.nanmax(rel_LES[layers])))  # symmetric-ish room above 1 even when balanced
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax)
-    extent = (steps[0] - 0.5, steps[-1] + 0.5, rel_LES.shape[1] - 0.5, -0.5)
+    x_edges, e_edges = step_edges(steps), np.arange(rel_LES.shape[1] + 1) - 0.5
     fig, axes = plt.subplots(len(layers), 1, figsize=(9, min(2.2 * len(layers), 40) + 1.0), sharex=True,
                              squeeze=False, layout="constrained")
     for ax, i in zip(axes[:, 0], layers):
-        im = ax.imshow(rel_LES[i], aspect="auto", cmap="RdBu_r", norm=norm, extent=extent, interpolation="nearest")
+        im = ax.pcolormesh(x_edges, e_edges, rel_LES[i], cmap="RdBu_r", norm=norm, shading="flat")
+        ax.set_ylim(e_edges[-1], e_edges[0])  # expert 0 on top
         ax.set_ylabel(f"layer {i}\nexpert")
         ax.yaxis.set_major_locator(plt.MaxNLocator(integer=True))  # expert ids, not fractions
     axes[-1, 0].set_xlabel("step")

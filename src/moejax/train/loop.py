@@ -1,6 +1,7 @@
 """The training loop: set up once (mesh, data, state, jitted steps), then step, log, evaluate, checkpoint.
 
-The pieces it calls live with their owners: the run directory's files in `train.run_dir`, the optimizer in
+The pieces it calls live with their owners: the run directory's files in `train.run_dir`, logging, the
+summary's running totals and the routing-health alarms in `train.monitor` / `train.alarms`, the optimizer in
 `train.optimizer`, state creation and placement in `train.state`, the MoE backend in `parallel.backends`,
 checkpoints in `moejax.checkpoint`, data in `moejax.data.pipeline`.
 """
@@ -28,11 +29,13 @@ from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManage
 from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import init_params_from_export, is_export
-from moejax.metrics import MetricsWriter, to_py
+from moejax.metrics import MetricsWriter, read_metrics, to_py
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
+from moejax.train.alarms import LOAD_KEY
+from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
 from moejax.train.run_dir import RunError, prepare_run_dir, read_summary, run_info, truncate_metrics, write_json
 from moejax.train.state import TrainState, init_state, place_state
@@ -133,14 +136,18 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     t = cfg.train
     s = _setup(cfg, run_dir, opts, resuming, data, mesh)
     start = int(s.state.step)
+    totals = RunTotals()
     if start:
         truncate_metrics(run_dir, start)
+        # The earlier segments, so the summary covers the whole run (only the primary writes summary.json).
+        if _primary() and (run_dir / "metrics.jsonl").exists():
+            totals = RunTotals.from_rows(read_metrics(run_dir))
     writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project,
                            run_name=opts.wandb_run_name or run_dir.name, config=cfg.to_dict(), primary=_primary())
+    log = StepLog(cfg, writer, totals, emit=print_alarm if _primary() else lambda line: None)
     fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
-    history, t_start = [], time.perf_counter()
     try:
         if start == 0 and t.eval_at_start:  # the initial weights: an eval-only row of step 0, before its train row
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
@@ -148,15 +155,16 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
                 s.state, metrics = s.step_fn(s.state, s.to_global(data.train.batch(step)))
-                metrics = {k: to_py(v) for k, v in jax.device_get(metrics).items()}
+                metrics = jax.device_get(metrics)
+                load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
+                metrics = {k: to_py(v) for k, v in metrics.items()}
+                log.check(step, metrics, load_LE)
                 _check_finite(step, metrics, run_dir)
                 metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
                 last = step + 1 == t.steps
                 if last or (t.eval_every and (step + 1) % t.eval_every == 0):
                     metrics.update(_eval_metrics(s, data, t.eval_batches))
-                if step % t.log_every == 0 or last:
-                    writer.log(step, metrics)
-                history.append(metrics)
+                log.record(step, metrics, load_LE, last)
                 bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
                                 tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
                                 drop=f"{metrics['moe/drop_fraction']:.3f}")
@@ -175,9 +183,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         bar.close()
         writer.close()
         s.ckpt.close()
-    if not history:  # the run had already finished: report it again
+    if start >= t.steps:  # the run had already finished: report it again
         return read_summary(run_dir)
-    summary = summarize(history, time.perf_counter() - t_start, cfg)
+    summary = log.summary(cfg.name, int(s.state.step))
     if _primary():
         write_json(run_dir / "summary.json", summary)
     return summary
@@ -236,16 +244,3 @@ def _check_finite(step: int, metrics: dict, run_dir: Path) -> None:
         if isinstance(v, str) or not np.isfinite(v):
             write_json(run_dir / "nonfinite.json", {"step": step, **metrics}, default=str)
             raise RunError(f"non-finite {key} ({v}) at step {step}; metrics written to {run_dir / 'nonfinite.json'}")
-
-
-def summarize(history: list[dict], wall: float, cfg: RunConfig) -> dict:
-    steady = history[min(2, len(history) - 1):]  # skip the compile-dominated first steps
-    tps = float(np.median([h["throughput/tokens_per_second"] for h in steady]))
-    out = {"preset": cfg.name, "steps": len(history), "first_loss": history[0]["train/loss"],
-           "last_loss": history[-1]["train/loss"], "tokens_per_second": tps,
-           "mfu": float(np.median([h["throughput/mfu"] for h in steady])), "wall_seconds": wall,
-           "drop_fraction": history[-1]["moe/drop_fraction"]}
-    for key in ("eval/loss", "eval/bpb", "eval_dropless/loss", "eval_dropless/bpb"):
-        if key in history[-1]:
-            out[key] = history[-1][key]
-    return out

@@ -40,9 +40,8 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
             old = json.loads(cfg_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise RunError(f"run dir {run_dir} has an unreadable config.json ({e}); pass --overwrite to replace it")
-        # The mesh may change between restarts (checkpoints reshard on load); the model and schedule may not.
-        diff = first_difference({k: v for k, v in old.items() if k != "parallel"},
-                                {k: v for k, v in cfg.to_dict().items() if k != "parallel"})
+        new = cfg.to_dict()
+        diff = first_difference(_comparable(_with_new_fields(old, new)), _comparable(new))
         if diff:
             raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
                            "choose another --run-dir or pass --overwrite")
@@ -56,6 +55,25 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
     except OSError as e:
         raise RunError(f"cannot write to run dir {run_dir}: {e.strerror or e}") from None
     return False
+
+
+# The mesh may change between restarts (checkpoints reshard on load), and so may the alarm thresholds
+# (monitoring only); the model, data and schedule may not.
+RESTART_MAY_CHANGE = ("parallel", "alarms")
+
+
+def _comparable(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k not in RESTART_MAY_CHANGE}
+
+
+def _with_new_fields(old: dict, new: dict) -> dict:
+    """`old` with the fields it predates taken from `new`: a setting that did not exist when the run was
+    started (a config.json from an older moejax) cannot differ from it. Fields only `old` has still count."""
+    out = {**{k: v for k, v in new.items() if k not in old}, **old}
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(old.get(k), dict):
+            out[k] = _with_new_fields(old[k], v)
+    return out
 
 
 def run_info(cfg: RunConfig, peak: float) -> dict:

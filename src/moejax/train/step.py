@@ -69,6 +69,14 @@ def moe_metrics(layers: dict, n_layers: int, prefix: str = "") -> dict:
     return out
 
 
+def bias_range_metrics(bias_LE: jax.Array) -> dict:
+    """Spread of the router bias the next step routes with (max - min over experts, per layer), as two
+    scalars whatever L: the largest range and its layer. QB drift (moejax.train.alarms) shows here first."""
+    range_L = jnp.max(bias_LE, axis=-1) - jnp.min(bias_LE, axis=-1)
+    return {"train/router/bias_range": jnp.max(range_L).astype(jnp.float32),
+            "train/router/bias_range_layer": jnp.argmax(range_L).astype(jnp.int32)}
+
+
 def qb_hook(cfg: ModelConfig):
     """Per layer inside the scan: turn the [T, E] margins into next step's router bias (SPEC §2)."""
 
@@ -113,6 +121,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         }
         if "qb_bias" in layers:  # this step's routing sets the bias the next step routes with
             new_master = with_router_bias(new_master, layers.pop("qb_bias"))
+        metrics.update(bias_range_metrics(new_master.blocks.moe.router_bias))
         new_compute = compute_copy(new_master, jnp.dtype(cfg.compute_dtype))
         if offload is not None:  # device -> host: only the compute copy stays on the accelerator
             new_master = jax.device_put(new_master, offload.params_host)
