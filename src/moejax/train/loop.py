@@ -219,7 +219,8 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
                 elif not src.is_dir():
                     raise RunError(f"--init-from {src}: no such checkpoint or run directory")
                 params = restore(src, state, model_config=model_cfg)[0].params
-            compute = jax.tree.map(lambda p, c: p.astype(c.dtype), params, state.compute)
+            # A new buffer per leaf, also for the fp32 router bias: the state is donated to the step.
+            compute = jax.tree.map(lambda p, c: jnp.array(p, dtype=c.dtype, copy=True), params, state.compute)
             return TrainState(step=state.step, params=params, compute=compute, opt_state=optimizer.init(params),
                               rng=state.rng)
     except CheckpointError as e:
