@@ -201,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _backends_started() -> bool:
+    """XLA reads XLA_FLAGS when its first backend starts, not when jax is imported (this module imports it)."""
+    from jax._src import xla_bridge
+
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if started is not None else bool(getattr(xla_bridge, "_backends", None))
+
+
 def _ensure_host_devices(args) -> None:
     """On CPU, a mesh of N devices needs N forced host devices, which must be set before jax starts.
     The flag only affects the host platform, so it is harmless on GPU/TPU machines."""
@@ -208,7 +216,7 @@ def _ensure_host_devices(args) -> None:
         import math
 
         n = math.prod(parse_mesh(args.mesh).values()) // max(1, getattr(args, "num_processes", None) or 1)
-        if n > 1 and "jax" not in sys.modules:
+        if n > 1 and not _backends_started():
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
 
 
