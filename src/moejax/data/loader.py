@@ -30,6 +30,21 @@ def pack_windows(tokens: np.ndarray, doc_offsets: np.ndarray, starts: np.ndarray
             "loss_mask": seg[:, 1:] == seg[:, :-1]}
 
 
+def chunk_rows(batch: dict, context: int) -> dict:
+    """Context parallelism: each [B, S] row becomes `context` consecutive rows [B*context, S/context] (a
+    row-major reshape, so chunk j of sequence b is row b*context + j). Segment ids, positions, targets and
+    the loss mask were computed on the whole sequence, so they stay right across the chunk boundaries."""
+    if context == 1:
+        return batch
+    out = {}
+    for key, a in batch.items():
+        rows, seq = a.shape
+        if seq % context:
+            raise ValueError(f"seq_len ({seq}) is not divisible by the context-parallel degree ({context})")
+        out[key] = a.reshape(rows * context, seq // context)
+    return out
+
+
 @dataclass(frozen=True)
 class MixtureLoader:
     """`batch(step)`: this process's rows of the global batch of `step`, a pure function of (seed, step).

@@ -24,6 +24,9 @@ Attention core, by `attention_impl()`:
   processes queries in blocks, each rematerialised: global layers score a block against all S keys
   ([B, H, Q, S] live); local layers dynamic_slice only keys [start - window + 1, end) of a front-padded
   K/V, so their FLOPs scale with S * (Q + window) instead of S^2.
+- Context parallelism (`context` > 1, XLA path): rows are chunks of sequences; `attend_context` extends
+  each chunk's keys with the sequence's earlier positions (a window-1 halo on local layers, every earlier
+  chunk on global layers) through `layers.front_extend`, then runs the same masked cores.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
 from moejax.model.flash_gpu import flash_attention
-from moejax.model.layers import init_conv, pytree_dataclass, rms_normalize, sconv, trunc_normal
+from moejax.model.layers import front_extend, init_conv, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
@@ -133,14 +136,18 @@ def _unblock(out):
     return out.swapaxes(0, 1).reshape(out.shape[1], -1, *out.shape[3:])
 
 
-def attend_query_blocks(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
-    """Query blocks (rematerialised one at a time) against all S keys: [B, H, qb, S] live scores."""
-    k_pos = jnp.arange(q.shape[1])
+def attend_query_blocks(q, k, v, segment_ids, window: int | None, scale: float, qb: int, seg_k=None,
+                        q_offset: int = 0):
+    """Query blocks (rematerialised one at a time) against all keys: [B, H, qb, K] live scores. By default
+    the keys are the queries' own positions; `seg_k` gives longer keys (context parallelism: earlier chunks
+    first), the queries then sitting at key positions q_offset + [0, S)."""
+    seg_k = segment_ids if seg_k is None else seg_k
+    k_pos = jnp.arange(k.shape[1])
 
     @jax.checkpoint
     def one(xs):
         i, q_blk, seg_blk = xs
-        mask = block_mask(seg_blk, segment_ids, i * qb + jnp.arange(qb), k_pos, window)
+        mask = block_mask(seg_blk, seg_k, q_offset + i * qb + jnp.arange(qb), k_pos, window)
         return _softmax_av(q_blk, k, v, mask, scale)
 
     return _unblock(jax.lax.map(one, _query_blocks(q, segment_ids, qb)))
@@ -148,21 +155,50 @@ def attend_query_blocks(q, k, v, segment_ids, window: int | None, scale: float, 
 
 def attend_window(q, k, v, segment_ids, window: int, scale: float, qb: int):
     """Local layers: query block [i*qb, (i+1)*qb) reads only keys [i*qb - window + 1, (i+1)*qb), sliced
-    from K/V front-padded by window - 1 rows (padding has negative positions, masked). Live scores
+    from K/V front-padded by window - 1 rows (padding has segment id -1, masked). Live scores
     [B, H, qb, qb + window - 1]; FLOPs S * (qb + window - 1) instead of S^2."""
+    pad = window - 1
+    front = lambda a, fill=0: front_extend(a, pad, 1, fill)
+    return _window_core(q, front(k), front(v), segment_ids, front(segment_ids, -1), window, scale, qb)
+
+
+def _window_core(q, k_ext, v_ext, segment_ids, seg_ext, window: int, scale: float, qb: int):
+    """attend_window on keys already extended by window - 1 positions in front (padding or, with context
+    parallelism, the previous chunk's halo; its segment id is -1 where there is nothing)."""
     pad, span = window - 1, qb + window - 1
-    front = lambda a: jnp.pad(a, [(0, 0), (pad, 0)] + [(0, 0)] * (a.ndim - 2))
-    k_pad, v_pad, seg_pad = front(k), front(v), front(segment_ids)
 
     @jax.checkpoint
     def one(xs):
         i, q_blk, seg_blk = xs
-        start = i * qb  # padded row of key position i*qb - pad
-        k_blk, v_blk, seg_k = (jax.lax.dynamic_slice_in_dim(a, start, span, axis=1) for a in (k_pad, v_pad, seg_pad))
-        mask = block_mask(seg_blk, seg_k, start + jnp.arange(qb), start - pad + jnp.arange(span), window)
+        start = i * qb  # extended row of key position i*qb - pad
+        k_blk, v_blk, seg_k = (jax.lax.dynamic_slice_in_dim(a, start, span, axis=1) for a in (k_ext, v_ext, seg_ext))
+        mask = block_mask(seg_blk, seg_k, start + pad + jnp.arange(qb), start + jnp.arange(span), window)
         return _softmax_av(q_blk, k_blk, v_blk, mask, scale)
 
     return _unblock(jax.lax.map(one, _query_blocks(q, segment_ids, qb)))
+
+
+def attend_context(q, k, v, segment_ids, window: int | None, scale: float, qb: int, context: int,
+                   head_map: np.ndarray):
+    """Context parallelism: rows are chunks, `context` consecutive rows per sequence; k, v carry the G KV
+    heads (mapped to query heads only after the exchange, so G/H of the bytes move).
+    Local layers read the previous window - 1 positions of the sequence (a halo from the previous chunk or
+    chunks); global layers read every earlier chunk of the sequence, (context - 1) hops of the chunk's K/V
+    (the causal half of an all-gather over the sequence's rows: later chunks are never read). The queries
+    sit at the end of the extended keys, so one 1-D position vector serves every row and the same masks
+    (causal, window, document) apply; keys before the sequence start have segment id -1."""
+    seq = q.shape[1]
+    n = window - 1 if window is not None else (context - 1) * seq
+    k_ext, v_ext = (front_extend(a, n, context, 0)[:, :, head_map] for a in (k, v))
+    seg_ext = front_extend(segment_ids, n, context, -1)
+    if qb and seq > qb:
+        if seq % qb:
+            raise ValueError(f"chunk length ({seq}) is not divisible by attn_q_block ({qb})")
+        if window is not None:
+            return _window_core(q, k_ext, v_ext, segment_ids, seg_ext, window, scale, qb)
+        return attend_query_blocks(q, k_ext, v_ext, segment_ids, None, scale, qb, seg_k=seg_ext, q_offset=n)
+    mask = block_mask(segment_ids, seg_ext, n + jnp.arange(seq), jnp.arange(n + seq), window)
+    return _softmax_av(q, k_ext, v_ext, mask, scale)
 
 
 def attend_xla(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
@@ -229,7 +265,7 @@ def attend_cached(q, k_h, v_h, seg_q, seg_k, q_pos, k_pos, is_global: bool, cfg:
 
 
 def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positions,
-                  cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
+                  cfg: ModelConfig, context: int = 1) -> Float[Array, "B S H Hd"]:
     """One layer kind (static `is_global`): q/k with RoPE (local), head map, the attention core, XSA."""
     q = queries(p, x, positions, is_global, cfg)
     g = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
@@ -237,7 +273,9 @@ def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positio
     window = None if is_global else cfg.window
     scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
     head_map = kv_head_map(cfg, is_global)
-    if attention_impl() == "gpu_kernel":
+    if context > 1:  # XLA only: the kernel is single-device, and CP needs several devices to be useful
+        out = attend_context(q, k, v, segment_ids, window, scale, cfg.attn_q_block, context, head_map)
+    elif attention_impl() == "gpu_kernel":
         out = flash_attention(q, k, v, segment_ids, scale, window)
     else:
         out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
@@ -245,12 +283,14 @@ def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positio
 
 
 def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
-              is_global, cfg: ModelConfig) -> Float[Array, "B S D"]:
-    """`is_global`: a Python bool, or a traced scalar (the layer scan) that picks a branch by lax.cond."""
-    k_conv = sconv(x @ p.wk.astype(x.dtype), p.conv_k, segment_ids)
-    branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg)
+              is_global, cfg: ModelConfig, context: int = 1) -> Float[Array, "B S D"]:
+    """`is_global`: a Python bool, or a traced scalar (the layer scan) that picks a branch by lax.cond.
+    `context` > 1: rows are chunks of sequences (context parallelism, `attend_context`); positions and
+    segment ids are the whole sequence's."""
+    k_conv = sconv(x @ p.wk.astype(x.dtype), p.conv_k, segment_ids, context)
+    branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg, context=context)
     if isinstance(is_global, (bool, np.bool_)):
         out = branch(bool(is_global))(p, x, k_conv, segment_ids, positions)
     else:
         out = jax.lax.cond(is_global, branch(True), branch(False), p, x, k_conv, segment_ids, positions)
-    return sconv(attention_output(p, x, out, cfg), p.conv_out, segment_ids)
+    return sconv(attention_output(p, x, out, cfg), p.conv_out, segment_ids, context)

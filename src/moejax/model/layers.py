@@ -8,6 +8,9 @@ Notable choices (SPEC §2):
 - GatedNorm: y = x * sigmoid(W_up silu(W_down x)), applied after RMSNorm at every norm site.
 - SConv is a causal depthwise conv whose taps never read across a packed-document boundary; tap 0 is the
   current token and is initialised to 1 (identity at init).
+- Context parallelism (docs/ARCHITECTURE.md): a sequence may arrive as `context` consecutive rows
+  ("chunks"). `front_extend` prefixes each row with the end of the rows before it in the same sequence
+  (the halo); SConv and attention read their history through it, so nothing else knows about chunks.
 """
 
 from __future__ import annotations
@@ -61,14 +64,40 @@ def init_conv(taps: int, channels: int) -> Float[Array, "J C"]:
     return jnp.zeros((taps, channels), jnp.float32).at[0].set(1.0)
 
 
-def sconv(x: Float[Array, "B S C"], taps_JC: Float[Array, "J C"], segment_ids: Int[Array, "B S"]) -> Float[Array, "B S C"]:
-    """Causal depthwise conv, y[t] = sum_j taps[j] * x[t-j], with x[t-j] zeroed across documents."""
-    n_taps = taps_JC.shape[0]
+def front_extend(a: Array, n: int, context: int, fill) -> Array:
+    """a [B, S, ...] -> [B, n + S, ...]: each row prefixed with the n positions before it in its sequence.
+
+    With context parallelism a sequence is `context` consecutive rows (chunks of S positions), so the n
+    positions before row r are the tails of rows r-1, r-2, ... of the same sequence (chunk index r % context
+    >= that distance); anything before the sequence start is `fill` (segment ids use -1, which matches no
+    document). context == 1 is a plain front pad. Communication: each hop is `jnp.roll` of only the needed
+    tail along the row axis, which GSPMD partitions into a collective-permute over the batch shards
+    (before: the tail of this device's rows; after: the tail of the previous device's last row)."""
+    rows, seq = a.shape[0], a.shape[1]
+    if rows % context:
+        raise ValueError(f"rows ({rows}) are not whole sequences of context ({context}) chunks")
+    chunk_idx = (jnp.arange(rows) % context).reshape(-1, *[1] * (a.ndim - 1))
+    parts = [a]
+    for hop in range(1, -(-n // seq) + 1):
+        take = min(seq, n - (hop - 1) * seq)
+        empty = jnp.full((rows, take, *a.shape[2:]), fill, a.dtype)
+        if hop < context:
+            tail = jnp.roll(a[:, seq - take:], hop, axis=0)  # row r reads row r - hop
+            empty = jnp.where(chunk_idx >= hop, tail, empty)
+        parts.insert(0, empty)
+    return jnp.concatenate(parts, axis=1) if n else a
+
+
+def sconv(x: Float[Array, "B S C"], taps_JC: Float[Array, "J C"], segment_ids: Int[Array, "B S"],
+          context: int = 1) -> Float[Array, "B S C"]:
+    """Causal depthwise conv, y[t] = sum_j taps[j] * x[t-j], with x[t-j] zeroed across documents; with
+    `context` > 1 the first J-1 taps of a chunk read the previous chunk (front_extend)."""
+    n = taps_JC.shape[0] - 1
     seq = x.shape[1]
+    x_ext, seg_ext = front_extend(x, n, context, 0), front_extend(segment_ids, n, context, -1)
     y = x * taps_JC[0].astype(x.dtype)
-    for j in range(1, n_taps):
-        x_shift = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :seq]
-        seg_shift = jnp.pad(segment_ids, ((0, 0), (j, 0)), constant_values=-1)[:, :seq]
+    for j in range(1, n + 1):
+        x_shift, seg_shift = x_ext[:, n - j:n - j + seq], seg_ext[:, n - j:n - j + seq]
         same_doc = (seg_shift == segment_ids)[..., None]
         y = y + jnp.where(same_doc, x_shift, 0) * taps_JC[j].astype(x.dtype)
     return y

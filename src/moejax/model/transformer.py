@@ -88,20 +88,24 @@ def drop_token_stats(stats: dict) -> dict:
 
 def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"],
             positions: Int[Array, "B S"], cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
-            layer_hook: LayerHook | None = None, remat: bool = True) -> tuple[Float[Array, "B S D"], dict]:
+            layer_hook: LayerHook | None = None, remat: bool = True,
+            context: int = 1) -> tuple[Float[Array, "B S D"], dict]:
     """Final hidden states (after the final norm) and per-layer stats stacked along L.
 
     `layer_hook` maps one layer's raw MoE stats to what is kept (e.g. margins -> QB bias); by default the
     [T, E] margins are dropped so nothing of that size is stacked over layers.
+    `context` > 1 (context parallelism): each sequence is `context` consecutive rows of S positions; segment
+    ids, positions (and the loss's targets) are the whole sequence's, so only attention and SConv, which
+    read earlier positions, look across rows. The MoE sees tokens as ever.
     """
     x = embed(params, tokens, cfg)
     hook = layer_hook or drop_token_stats
 
     def body(x, layer):
         blk, is_global = layer
-        h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg)
+        h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg, context)
         x = x + h
-        h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed)
+        h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed, context)
         return x + h, hook(stats)
 
     if remat:  # recompute the block in the backward pass, except the transport's all-to-all results
@@ -155,10 +159,11 @@ def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
 
 
 def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
-               layer_hook: LayerHook | None = None, remat: bool = True) -> tuple[jax.Array, dict]:
-    """Scalar training loss and everything worth logging (loss parts + per-layer MoE stats)."""
+               layer_hook: LayerHook | None = None, remat: bool = True, context: int = 1) -> tuple[jax.Array, dict]:
+    """Scalar training loss and everything worth logging (loss parts + per-layer MoE stats). `context`: rows
+    per sequence (context parallelism); the batch's targets and loss mask already cross chunk boundaries."""
     h, layer_stats = forward(params, batch["tokens"], batch["segment_ids"], batch["positions"], cfg, routed,
-                             layer_hook, remat)
+                             layer_hook, remat, context)
     parts = lm_loss(h, params.lm_head, batch["targets"], batch["loss_mask"], cfg.z_loss_weight,
                     cfg.loss_vocab_block)
     return parts["loss"], {**parts, "layers": layer_stats}

@@ -82,9 +82,10 @@ def routed_local_with_stats(z_TZ, expert_TK, weight_TK, mask_T, w_gate, w_up, w_
 
 
 def moe_block(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cfg: ModelConfig,
-              routed: RoutedFn = routed_local_with_stats) -> tuple[Float[Array, "B S D"], dict]:
+              routed: RoutedFn = routed_local_with_stats, context: int = 1) -> tuple[Float[Array, "B S D"], dict]:
+    """`context` > 1: rows are chunks of sequences; only the output SConv reads across them."""
     y, stats = moe_mix(p, m, segment_ids, cfg, routed)
-    return sconv(y, p.conv_out, segment_ids), stats
+    return sconv(y, p.conv_out, segment_ids, context), stats
 
 
 def moe_mix(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cfg: ModelConfig,
