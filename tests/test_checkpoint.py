@@ -362,3 +362,86 @@ def test_preemption_guard_catches_sigterm():
         assert guard.stop_requested()
     assert signal.getsignal(signal.SIGTERM) == before
     assert ck.EXIT_PREEMPTED == 75
+
+
+def test_immediate_guard_raises_until_the_loop_defers():
+    with ck.PreemptionGuard(immediate=True) as guard:
+        with pytest.raises(ck.PreemptionSignal, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+        with guard.deferred():  # the training loop: finish the step, then save
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                if guard.requested:
+                    break
+            assert guard.requested
+        assert guard.immediate
+    assert not issubclass(ck.PreemptionSignal, Exception)  # `except Exception` on the way cannot swallow it
+
+
+# ----------------------------------------------------------------------------- never lose data
+
+
+def _nonfinite(state):
+    return None if all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state)) else "non-finite weights"
+
+
+def test_restore_falls_back_past_a_checkpoint_that_fails_the_check(tmp_path, caplog):
+    with ck.CheckpointManager(tmp_path, permanent_every=10) as mgr:
+        mgr.save(10, tiny_state(10))
+        mgr.wait()
+        bad = tiny_state(20)
+        bad["x"] = bad["x"].at[1].set(jnp.nan)  # what an older build could commit after a divergence
+        mgr.save(20, bad)
+    with caplog.at_level(logging.WARNING, logger="moejax.checkpoint"):
+        state, meta = ck.restore_latest(tmp_path, tiny_state(0), check=lambda s, m: _nonfinite(s))
+    assert meta["step"] == 10 and int(state["step"]) == 10
+    assert any("step_00000020: non-finite weights" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ck.CheckpointError, match="no usable checkpoint.*non-finite"):
+        ck.restore_latest(tmp_path, tiny_state(0), check=lambda s, m: "non-finite" if m["step"] == 10 else _nonfinite(s))
+
+
+def test_a_failed_background_save_is_reported_by_the_next_poll_in_one_line(tmp_path, monkeypatch, capfd):
+    real_write = ck.atomic_write
+
+    def full_disk(path, data):
+        if path.name == ck.MARKER:
+            raise OSError(28, "No space left on device")
+        real_write(path, data)
+
+    monkeypatch.setattr(ck, "atomic_write", full_disk)
+    mgr = ck.CheckpointManager(tmp_path, permanent_every=1)
+    mgr.poll()  # nothing in flight: a no-op
+    mgr.save(1, tiny_state(1))
+    mgr._commit_thread.join()  # the background save has failed; no further save() is needed to see it
+    with pytest.raises(ck.CheckpointError, match="save failed.*No space left") as e:
+        mgr.poll()
+    assert "\n" not in str(e.value)
+    mgr.close()
+
+
+def test_orbax_error_records_are_filtered_while_a_manager_is_open(tmp_path):
+    absl = logging.getLogger("absl")
+    record = lambda level, path: logging.LogRecord("absl", level, path, 1, "boom", None, None)
+    orbax_file = f"{os.sep}site-packages{os.sep}orbax{os.sep}checkpoint{os.sep}x.py"
+    mgr = ck.CheckpointManager(tmp_path, permanent_every=1)
+    assert not absl.filter(record(logging.ERROR, orbax_file))  # dropped: our one line says it
+    assert absl.filter(record(logging.WARNING, orbax_file)) and absl.filter(record(logging.ERROR, "/other.py"))
+    mgr.close()
+    assert absl.filter(record(logging.ERROR, orbax_file))
+
+
+def test_the_aftermath_of_a_failed_write_is_filtered_but_other_errors_pass():
+    def record_from(code: str, msg: str):
+        try:
+            exec(compile(code, f"{os.sep}site-packages{os.sep}orbax{os.sep}w.py" if "orbax" in msg else "/mine.py",
+                         "exec"))
+        except ValueError:
+            info = sys.exc_info()
+        return logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, msg, None, info)
+
+    orbax = record_from("raise ValueError('OUT_OF_RANGE')", "_GatheringFuture exception was never retrieved orbax")
+    mine = record_from("raise ValueError('mine')", "Task exception was never retrieved")
+    assert not ck._unretrieved_orbax_failure(orbax) and ck._unretrieved_orbax_failure(mine)
+    assert ck._unretrieved_orbax_failure(logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "other", None, None))

@@ -35,6 +35,14 @@ def test_count_json_hero(capsys):
     (["train", "--preset", "tiny", "--run-dir", "RUN", "--set", "model.top_k=16"], "top_k (16)"),
     (["train", "--preset", "tiny", "--run-dir", "RUN", "--init-from", "RUN-missing"], "no such checkpoint or run"),
     (["train", "--preset", "hero", "--run-dir", "RUN"], "needs 704 devices, but only 8 are present"),
+    (["train", "--run-dir", "RUN", "--set", "train.learning_rate=1e-3"], "train.learning_rate would have no effect"),
+    (["train", "--run-dir", "RUN", "--set", "train.optimizer=adam", "--set", "train.learning_rate=inf"],
+     "learning_rate (inf) must be a finite number"),
+    (["train", "--run-dir", "RUN", "--set", "train.batch_size=4"], "no --mesh: the default trains data-parallel on all 8"),
+    (["train", "--run-dir", "RUN", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id (2) must be in [0, --num-processes=2)"),
+    (["train", "--run-dir", "RUN", "--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes (0) must be >= 1"),
 ])
 def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
     argv = [a.replace("RUN", str(tmp_path / "r")) for a in argv]
@@ -76,3 +84,40 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     s = run_cli("summary", "run", cwd=tmp_path)
     assert s.returncode == 0 and "train loss" in s.stdout
     assert "alarms      none" in s.stdout  # QB, dropless: a healthy run raises nothing
+
+
+def test_init_from_a_garbage_directory_fails_fast_and_leaves_nothing(tmp_path, capsys):
+    garbage = tmp_path / "garbage"
+    (garbage / "sub").mkdir(parents=True)
+    (garbage / "weights.bin").write_bytes(b"\0" * 100)
+    run = tmp_path / "r"
+    assert main(["train", "--run-dir", str(run), "--init-from", str(garbage)]) == 2
+    err = capsys.readouterr().err
+    assert "neither a run dir (with checkpoints/) nor a complete checkpoint" in err and err.count("\n") == 1
+    assert not run.exists()
+    (garbage / "checkpoints" / "step_00000005").mkdir(parents=True)  # a run dir whose only save never completed
+    assert main(["train", "--run-dir", str(run), "--init-from", str(garbage)]) == 2
+    assert "no complete checkpoint in" in capsys.readouterr().err and not run.exists()
+
+
+def test_wandb_online_without_an_api_key_is_one_line(tmp_path, capsys, monkeypatch):
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert main(["train", "--run-dir", str(tmp_path / "r"), "--wandb", "online"]) == 2
+    err = capsys.readouterr().err
+    assert "--wandb online needs a W&B API key" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
+def test_without_mesh_every_device_is_used_data_parallel():
+    from moejax.cli import _default_mesh, _resolve, build_parser
+
+    args = build_parser().parse_args(["train", "--run-dir", "x"])
+    cfg = _default_mesh(_resolve(args), args)
+    assert cfg.parallel.mesh_shape == (1, 8, 1, 1)  # 8 forced CPU devices
+    args = build_parser().parse_args(["train", "--run-dir", "x", "--mesh", "expert=2"])
+    assert _default_mesh(_resolve(args), args).parallel.mesh_shape == (1, 1, 2, 1)  # --mesh wins
+    args = build_parser().parse_args(["train", "--run-dir", "x", "--preset", "d768"])
+    assert _default_mesh(_resolve(args), args).parallel.expert == 64  # a preset's own mesh stays

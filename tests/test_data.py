@@ -1,7 +1,10 @@
 """`moejax data prepare` and the token store: round trip, checksums, atomic writes, and one clear CLI error
 (exit 2, no partial store) for each kind of bad input."""
 
+import gzip
 import json
+import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +80,9 @@ def test_data_check_uses_the_store_end_to_end(corpus, tmp_path, capsys):
     assert "first batch: 16 x 8 tokens" in capsys.readouterr().out
 
 
-def _corrupt_ids(store: Path):
+def _corrupt_ids(store: Path, every: bool = False):
     toks = np.load(store / "a" / "tokens.npy")
-    toks[3] = 5000
+    toks[slice(None) if every else 3] = 5000
     np.save(store / "a" / "tokens.npy", toks)
     m = json.loads((store / "manifest.json").read_text())
     m["sources"]["a"]["sha256"]["tokens.npy"] = sha256_file(store / "a" / "tokens.npy")
@@ -98,6 +101,9 @@ BAD_PREPARE = [  # (files to write, --source value, extra args, words expected i
     ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "llama3"], "pip install moejax[llama]"),
     ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "nope.json"], "tokenizer file nope.json does not exist"),
     ({"t.txt": b"hi"}, "bad name=t.txt", [], "--source name 'bad name'"),
+    ({"c.jsonl.gz": gzip.compress(b'{"text": "fine"}\n' * 200)[:-30]}, "a=c.jsonl.gz", [],
+     "c.jsonl.gz: corrupt or truncated gzip data"),
+    ({"c.txt.gz": b"\x1f\x8b\x08\x00" + bytes(range(256))}, "a=c.txt.gz", [], "c.txt.gz: corrupt or truncated gzip"),
 ]
 
 
@@ -141,6 +147,7 @@ def test_parquet_source(tmp_path):
     (["data.max_epochs=b=-2"], "data.max_epochs: 'b' has -2.0"),
     (["STORE=nowhere"], "is not a token store (no manifest.json)"),
     (["--verify"], "token id 5000 is out of range for the tokenizer's vocabulary of 320"),
+    (["RANGE"], "token id 5000 (source 'a') is >= the tokenizer's vocab_size 320: the store is corrupt"),
 ])
 def test_check_errors_are_one_line_exit_2(sets, words, corpus, tmp_path, capsys):
     out = tmp_path / "store"
@@ -153,6 +160,9 @@ def test_check_errors_are_one_line_exit_2(sets, words, corpus, tmp_path, capsys)
     if sets == ["--verify"]:
         _corrupt_ids(out)
         argv.append("--verify")
+    elif sets == ["RANGE"]:  # without --verify the loader's per-batch check catches it: one line too
+        _corrupt_ids(out, every=True)
+        argv += ["--set", "data.weights=a=1"]
     else:
         argv += [a for s in sets if not s.startswith("STORE") for a in ("--set", s)]
     assert main(argv) == 2
@@ -200,3 +210,78 @@ def test_embedded_kjv_is_a_prepared_store_built_once_in_the_cache(tmp_path, monk
     monkeypatch.setattr(pipeline, "prepare", fail)
     with pytest.raises(StoreError, match="disk full"):
         pipeline.kjv_store(301)
+
+
+# ---- never lose a user's data ----------------------------------------------------------------------------
+def test_overwrite_refuses_a_directory_that_is_not_a_store(corpus, tmp_path, capsys):
+    out = tmp_path / "userdir"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    assert _prepare_cli(corpus, out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "--overwrite refused" in err and "not only a token store" in err and err.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "userdir"]  # no temporary left
+
+
+def test_overwrite_replaces_a_store_but_not_one_holding_a_user_file(corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert _prepare_cli(corpus, out) == 0
+    assert _prepare_cli(corpus, out, "--overwrite") == 0  # a pure store: replaced
+    open_store(str(out), verify=True)
+    (out / "notes.md").write_text("mine")
+    assert _prepare_cli(corpus, out, "--overwrite") == 2
+    assert "moejax did not write notes.md" in capsys.readouterr().err
+    assert (out / "notes.md").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _prepare_cli(corpus, empty, "--overwrite") == 0  # an empty dir is fine
+    assert (empty / "manifest.json").exists()
+
+
+def _dead_pid() -> int:
+    pid = 4_000_000  # above the default pid_max; checked anyway
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        pid += 1
+
+
+def test_prepare_removes_work_dirs_of_killed_runs_only(corpus, tmp_path, capsys):
+    host, dead = socket.gethostname(), _dead_pid()
+    stale = [tmp_path / f".store.tmp-{dead}-0123abcd", tmp_path / f".store.tmp-{dead}-0123abce@{host}"]
+    live = tmp_path / f".store.tmp-{os.getpid()}-0123abcf@{host}"  # a prepare still running (this process)
+    other_host = tmp_path / f".store.tmp-{dead}-0123abd0@elsewhere.example"  # maybe alive there: kept
+    other_name = tmp_path / f".other.tmp-{dead}-0123abd1"
+    for d in (*stale, live, other_host, other_name):
+        d.mkdir()
+        (d / "tokens.npy").write_bytes(b"partial")
+    assert _prepare_cli(corpus, tmp_path / "store") == 0
+    assert "removed 2 work dir(s) left by killed prepare runs" in capsys.readouterr().err
+    assert not any(d.exists() for d in stale)
+    assert live.exists() and other_host.exists() and other_name.exists()
+
+
+def test_prepare_on_a_full_disk_is_one_line_and_leaves_nothing(corpus, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from moejax.data import store
+
+    def full(self, arr):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    monkeypatch.setattr(store.NpyAppender, "append", full)
+    assert _prepare_cli(corpus, tmp_path / "store") == 2
+    err = capsys.readouterr().err
+    assert "cannot write the store" in err and "No space left on device" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+
+
+def test_prepare_into_an_unwritable_place_is_one_line(corpus, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert _prepare_cli(corpus, blocker / "store") == 2  # (chmod does not stop root; a file as parent does)
+    err = capsys.readouterr().err
+    assert err.startswith("moejax: error: cannot create the store") and err.count("\n") == 1

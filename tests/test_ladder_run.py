@@ -24,10 +24,12 @@ def test_one_rung_end_to_end_and_resume(tmp_path, capsys):
     assert len(run_micro_ladder(tmp_path, widths=[32], steps=3, log=log.append)) == 1
     assert any("skipped" in line for line in log)
     assert len(read_results(tmp_path)) == 1
-    # Fit needs 3 rungs: with one it reports that, still plots, and exits 0.
-    assert main(["ladder", "fit", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "no fit" in out and (tmp_path / "loss_vs_compute.png").exists()
+    # Fit needs 3 rungs: with one it says so in one line and exits 2, writing nothing.
+    capsys.readouterr()
+    assert main(["ladder", "fit", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "ladder fit needs >= 3 usable rungs" in err and "has 1" in err and err.count("\n") == 1
+    assert not (tmp_path / "loss_vs_compute.png").exists()
 
 
 def test_ladder_cli_errors(tmp_path, capsys):

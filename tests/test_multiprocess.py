@@ -50,8 +50,26 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
                         "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1",
                         "--dist-timeout", "5"], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("moejax: error: coordinator 127.0.0.1:") and "did not answer within 5s" in last
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("moejax: error: coordinator 127.0.0.1:") and "did not answer within 5s" in lines[-1]
+    waiting = [ln for ln in lines if ln.startswith("moejax: waiting for the coordinator at 127.0.0.1:")]
+    assert waiting and "Connection refused" in waiting[0], lines  # said while waiting, not only at the end
+    assert "Traceback" not in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_peer_that_never_joins_ends_in_one_line_naming_it(tmp_path):
+    """Process 0 of 2 alone: a waiting line, then exit 2 with one line (not an XLA abort, rc 134)."""
+    port = _free_port()
+    r = subprocess.run([sys.executable, "-m", "moejax.cli", *ARGS, "--run-dir", str(tmp_path / "x"),
+                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+                        "--dist-timeout", "6"], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert any(ln.startswith(f"moejax: waiting for all processes to join the coordinator at 127.0.0.1:{port}")
+               for ln in lines), lines
+    assert lines[-1].startswith("moejax: error: distributed start-up timed out after 6s: process 1 never joined "
+                                f"the coordinator this process (0 of 2) hosts at 127.0.0.1:{port}")
+    assert not (tmp_path / "x").exists()
 
 
 def test_launcher_environment_fills_unset_flags(monkeypatch):
@@ -69,3 +87,18 @@ def test_launcher_environment_fills_unset_flags(monkeypatch):
     args = build_parser().parse_args(["train", "--run-dir", "x", "--process-id", "1"])
     _distributed_from_env(args)
     assert args.process_id == 1  # flags win
+
+
+def test_sigterm_while_waiting_for_the_coordinator_exits_75(tmp_path):
+    """A job preempted while its hosts start up is requeued (75), not counted as killed (143)."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "moejax.cli", *ARGS, "--run-dir", str(tmp_path / "x"),
+                          "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1",
+                          "--dist-timeout", "120"], stderr=subprocess.PIPE, text=True, env=_env())
+    first = p.stderr.readline()  # the first "waiting for the coordinator" line: it is inside the wait now
+    assert first.startswith("moejax: waiting for the coordinator at 127.0.0.1:"), first
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate(timeout=60)[1]
+    assert p.returncode == 75, err[-2000:]
+    assert "moejax: preempted (SIGTERM) while starting; nothing to save" in err and "Traceback" not in err

@@ -32,10 +32,20 @@ Notable choices and where they come from:
   must be shared. Only the 1-process path is exercised by tests.
 - `EXIT_PREEMPTED = 75` (sysexits EX_TEMPFAIL, "temporary failure, retry"): the run saved after a
   SIGTERM/SIGINT and wants to be restarted; distinct from 143 (128+SIGTERM, killed before saving).
+  A signal before the first step (start-up, restore, compile) has nothing new to save: an `immediate`
+  PreemptionGuard raises `PreemptionSignal` at once, which also exits 75.
+- A checkpoint can be refused after it restores (`check`, e.g. non-finite weights): restore falls back
+  past it like past a corrupt one.
+- A failed background save is reported at the next `poll()` (every step), as one line: orbax's own
+  multi-hundred-line error logs of that failure are filtered out (`_QuietOrbaxErrors`), and so is the
+  aftermath printed at exit (`_drop_failed_write_aftermath`): "Event loop is closed" tracebacks from
+  tensorstore's late write callbacks, and asyncio's "exception was never retrieved" for orbax's write
+  futures. Every other error still prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -43,6 +53,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +64,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from moejax import faults
 from moejax.diffs import find_difference
 from moejax.fsio import atomic_write, fsync_dir
 
@@ -227,7 +239,8 @@ def abstract_target(abstract_state: Any, shardings: Any = None) -> Any:
 def _one_line(e: BaseException, limit: int = 300) -> str:
     line = " / ".join(t.strip() for t in str(e).strip().splitlines() if t.strip())
     line = line.split(" [tensorstore_spec")[0]  # tensorstore appends kilobytes of JSON spec
-    line = line if len(line) <= limit else line[:limit] + "..."
+    # Too long: keep both ends, since the OS reason (e.g. "No space left on device") comes last.
+    line = line if len(line) <= limit else line[: limit // 2] + " ... " + line[-limit // 2:]
     return f"{type(e).__name__}: {line}"
 
 
@@ -253,9 +266,14 @@ def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = N
     return state, meta
 
 
+Check = Callable[[Any, dict], "str | None"]  # (restored state, metadata) -> why it is unusable, or None
+
+
 def restore_latest(run_dir: str | os.PathLike, abstract_state: Any, shardings: Any = None, *,
-                   model_config: dict | None = None, ignore: Iterable[str] = ()) -> tuple[Any, dict] | None:
-    """Newest complete checkpoint that restores, falling back to older ones; None if there is none.
+                   model_config: dict | None = None, ignore: Iterable[str] = (),
+                   check: Check | None = None) -> tuple[Any, dict] | None:
+    """Newest complete checkpoint that restores (and passes `check`), falling back to older ones; None if
+    there is none.
 
     Incomplete dirs are skipped silently. Each unusable complete one logs a one-line warning; if all
     fail, `CheckpointError` lists every directory tried and why.
@@ -271,6 +289,8 @@ def restore_latest(run_dir: str | os.PathLike, abstract_state: Any, shardings: A
             raise
         except CheckpointError as e:
             result, err = None, e
+        if result is not None and check is not None and (why := check(*result)):
+            result, err = None, CheckpointError(f"{info.path}: {why}")
         if not _any_process(err is not None):  # every host must take the same branch
             return result
         msg = str(err) if err is not None else f"{info.path}: restore failed on another process"
@@ -318,6 +338,8 @@ class CheckpointManager:
         self._commit_thread: threading.Thread | None = None
         self._commit_error: BaseException | None = None
         self._completed: set[int] = set()  # steps this manager saved and committed
+        self._quiet = _QuietOrbaxErrors().install()
+        _drop_failed_write_aftermath()
 
     # -- policy
 
@@ -377,6 +399,8 @@ class CheckpointManager:
     def _commit(self, step: int, path: Path) -> None:
         try:
             self._ckptr.wait_until_finished()  # orbax's background write (and multi-host barriers)
+            if faults.kill_at("save", step):  # arrays on disk, no marker: a crash mid-save
+                faults.kill_now()
             if _is_primary():
                 atomic_write(path / MARKER, f"{step}\n".encode())
                 self._collect_garbage(step)
@@ -407,6 +431,12 @@ class CheckpointManager:
             err, self._commit_error = self._commit_error, None
             raise CheckpointError(f"checkpoint save failed: {_one_line(err)}") from err
 
+    def poll(self) -> None:
+        """Raise CheckpointError now if the background save has already failed (never blocks): call it
+        every step, so a full disk is reported at once, not at the next save."""
+        if self._commit_thread is not None and not self._commit_thread.is_alive():
+            self._finish_pending()
+
     def wait(self) -> None:
         """Block until the in-flight save is complete (marker written, old temporaries deleted)."""
         self._finish_pending()
@@ -415,7 +445,10 @@ class CheckpointManager:
         try:
             self._finish_pending()
         finally:
-            self._ckptr.close()
+            try:
+                self._ckptr.close()
+            finally:
+                self._quiet.remove()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -425,33 +458,106 @@ class CheckpointManager:
 
     # -- restoring
 
-    def restore_latest(self, abstract_state: Any, shardings: Any = None, *, ignore: Iterable[str] = ()):
+    def restore_latest(self, abstract_state: Any, shardings: Any = None, *, ignore: Iterable[str] = (),
+                       check: Check | None = None):
         """`restore_latest(run_dir, ...)` with this manager's model config checked."""
         self._finish_pending()
-        return restore_latest(self.run_dir, abstract_state, shardings, model_config=self._model_config, ignore=ignore)
+        return restore_latest(self.run_dir, abstract_state, shardings, model_config=self._model_config, ignore=ignore,
+                              check=check)
+
+
+def _drop_failed_write_aftermath() -> None:
+    """Install (once, process-wide) two filters for what a failed async save prints long after its one
+    CheckpointError line, much of it at exit: each of tensorstore's pending write callbacks raises
+    RuntimeError("Event loop is closed") into orbax's closed event loop (an unraisable exception, 7 lines
+    apiece, hundreds in all), and asyncio logs "exception was never retrieved" (with a traceback) for
+    each of orbax's failed write futures."""
+    prev = sys.unraisablehook
+    if getattr(prev, "_moejax", False):
+        return
+
+    def hook(u) -> None:
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        prev(u)
+
+    hook._moejax = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_unretrieved_orbax_failure)
+
+
+def _unretrieved_orbax_failure(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's "exception was never retrieved" of a future that failed inside orbax."""
+    if "exception was never retrieved" not in str(record.msg):
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return False
+        tb = tb.tb_next
+    return True
+
+
+class _QuietOrbaxErrors(logging.Filter):
+    """Drop orbax's ERROR records (each with a ~190-line traceback) while a manager is open: every save
+    failure they describe reaches the user as one CheckpointError line. Warnings and info pass."""
+
+    LOGGER = "absl"  # orbax logs through absl.logging
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+    def install(self) -> "_QuietOrbaxErrors":
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def remove(self) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
 
 
 # ----------------------------------------------------------------------------- preemption
 
 
+class PreemptionSignal(BaseException):
+    """SIGTERM/SIGINT under an `immediate` PreemptionGuard: nothing new to save, exit EXIT_PREEMPTED now.
+    A BaseException, so `except Exception` blocks on the way (orbax, data loading) do not swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class PreemptionGuard:
     """Turn SIGTERM/SIGINT into a flag (`requested`) so the loop can save and exit `EXIT_PREEMPTED`.
 
-    Old handlers are restored on exit. A second SIGINT while a request is pending raises
-    KeyboardInterrupt (a human pressing Ctrl-C twice wants out now). Must be entered in the main
-    thread (a Python signal rule).
+    With `immediate` (set-up, before the first step: no new state exists yet) the handler raises
+    `PreemptionSignal` instead; the loop clears `immediate` when its first step starts. Old handlers are
+    restored on exit. A second SIGINT while a request is pending raises KeyboardInterrupt (a human
+    pressing Ctrl-C twice wants out now). Must be entered in the main thread (a Python signal rule).
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), immediate: bool = False):
         self.signals = tuple(signals)
+        self.immediate = immediate
         self.requested = False
         self.signum: int | None = None
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
+        if self.immediate:
+            raise PreemptionSignal(signum)
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside: a signal only sets `requested`; the loop saves and exits at the next step boundary."""
+        was, self.immediate = self.immediate, False
+        try:
+            yield self
+        finally:
+            self.immediate = was
 
     def stop_requested(self) -> bool:
         """`requested` OR-reduced over processes (a collective: call it at the same step everywhere)."""

@@ -8,7 +8,9 @@
 
 User errors (bad config, preset, run dir) print one line `moejax: error: ...` and exit 2.
 SIGTERM/SIGINT during training: the step finishes, a temporary checkpoint is written, exit 75 (EX_TEMPFAIL);
-running the same command again resumes from the newest complete checkpoint.
+before the first step (start-up, waiting for peers, restore) there is nothing new to save: exit 75 at once.
+Running the same command again resumes from the newest complete checkpoint.
+Without --mesh, a preset laid out on one device trains data-parallel on every device (`--mesh data=N`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +30,8 @@ from moejax.parallel.mesh import parse_mesh
 from moejax.presets import PRESET_NAMES, preset
 
 EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # = moejax.checkpoint.EXIT_PREEMPTED, which cannot be imported before the handler is set
+WAIT_REPORT_S = 15.0  # distributed start-up: a "waiting" line this often (a third of --dist-timeout if shorter)
 
 
 def _cmd_count(args) -> int:
@@ -48,6 +55,28 @@ def _resolve(args):
     return cfg
 
 
+def _default_mesh(cfg, args):
+    """No --mesh and a preset laid out on one device: use every device as data parallel (data=N), rather
+    than silently training on one GPU of eight. Presets with their own mesh (ladder rungs, hero) keep it.
+    config.json records the mesh used (parallel.data)."""
+    if args.mesh or cfg.parallel.n_devices != 1:
+        return cfg
+    import jax
+
+    n = jax.device_count()
+    if n == 1:
+        return cfg
+    if cfg.train.batch_size % n:
+        raise ConfigError(f"no --mesh: the default trains data-parallel on all {n} devices, but train.batch_size "
+                          f"({cfg.train.batch_size}) is not divisible by {n}; pass --mesh data=K (K divides it) "
+                          f"or a batch size divisible by {n}")
+    return replace(cfg, parallel=replace(cfg.parallel, data=n))
+
+
+def _report_every(timeout_s: float) -> float:
+    return min(WAIT_REPORT_S, max(timeout_s / 3, 0.5))
+
+
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
     """A TCP probe before jax.distributed: an unreachable coordinator makes XLA abort the process with a
     stack trace instead of raising, so we fail first with one line naming the address and the timeout."""
@@ -59,15 +88,21 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise RunError(f"--coordinator {address!r} is not HOST:PORT")
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    next_report = t0
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=2):
                 return
         except OSError as e:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - t0 > timeout_s:
                 raise RunError(f"coordinator {address} did not answer within {timeout_s}s ({e.strerror or e}); "
                                "is process 0 running and reachable?") from None
+            if now >= next_report:
+                print(f"moejax: waiting for the coordinator at {address} (process 0): {e.strerror or e} "
+                      f"({now - t0:.0f} s of {timeout_s} s)", file=sys.stderr, flush=True)
+                next_report = now + _report_every(timeout_s)
             time.sleep(0.5)
 
 
@@ -89,10 +124,67 @@ def _distributed_from_env(args) -> None:
         args.process_id = int(i)
 
 
+def _validate_processes(args) -> None:
+    """Process ids checked up front: a wrong one would otherwise wait the whole timeout before failing."""
+    n, i = args.num_processes, args.process_id
+    if n is not None and n < 1:
+        raise ConfigError(f"--num-processes ({n}) must be >= 1")
+    if i is not None and (i < 0 or (n is not None and i >= n)):
+        raise ConfigError(f"--process-id ({i}) must be in [0, --num-processes={n})" if n is not None
+                          else f"--process-id ({i}) must be >= 0")
+    if args.dist_timeout <= 0:
+        raise ConfigError(f"--dist-timeout ({args.dist_timeout}) must be positive")
+
+
+class _StartupWatchdog:
+    """While jax.distributed.initialize blocks (every process must join): a waiting line naming the
+    coordinator every ~15 s, and at --dist-timeout one line naming what never answered, then exit 2.
+    jax gets a longer timeout of its own: when it runs out first, XLA aborts the process with a C++
+    stack trace (rc 134) that blames "another task"."""
+
+    def __init__(self, args):
+        self.args, self._done = args, threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="moejax-dist-watchdog", daemon=True)
+
+    def _what(self) -> str:
+        a = self.args
+        n = a.num_processes if a.num_processes is not None else "all"
+        if a.process_id == 0:
+            others = {None: "the other processes", 2: "process 1"}.get(a.num_processes, f"processes 1..{n - 1}"
+                                                                         if isinstance(n, int) else "")
+            return (f"{others} never joined the coordinator this process (0 of {n}) hosts at {a.coordinator}; "
+                    f"are they running the same command with --coordinator {a.coordinator}?")
+        who = f"process {a.process_id}" if a.process_id is not None else "this process"
+        return (f"{who} reached the coordinator at {a.coordinator or '(auto-detected)'}, but not all {n} "
+                "processes joined; is every process running the same command?")
+
+    def _watch(self) -> None:
+        timeout, t0 = float(self.args.dist_timeout), time.monotonic()
+        while True:
+            left = t0 + timeout - time.monotonic()
+            if self._done.wait(min(_report_every(timeout), max(left, 0.0))):
+                return
+            elapsed = time.monotonic() - t0
+            if elapsed >= timeout:
+                print(f"moejax: error: distributed start-up timed out after {self.args.dist_timeout}s: {self._what()}",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_USAGE)  # the main thread is blocked inside XLA; nothing has been written yet
+            print(f"moejax: waiting for all processes to join the coordinator at {self.args.coordinator or '(auto)'} "
+                  f"({elapsed:.0f} s of {self.args.dist_timeout} s)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+
+
 def _init_distributed(args) -> None:
     """Multi-controller JAX: one process per host, all running the same command (docs/LAUNCH.md).
     Flags win over the environment; --distributed alone uses JAX's own cluster auto-detection."""
     _distributed_from_env(args)
+    _validate_processes(args)
     if not (args.coordinator or args.distributed):
         return
     import jax
@@ -102,8 +194,9 @@ def _init_distributed(args) -> None:
     if args.coordinator and args.process_id:  # process 0 hosts the coordinator; the others wait for it
         _wait_for_coordinator(args.coordinator, args.dist_timeout)
     try:
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=args.dist_timeout)
+        with _StartupWatchdog(args):
+            jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                                       process_id=args.process_id, initialization_timeout=args.dist_timeout + 60)
     except Exception as e:  # jax raises RuntimeError/XlaRuntimeError with multi-line text
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RunError(f"jax.distributed.initialize failed (coordinator {args.coordinator}, "
@@ -111,10 +204,13 @@ def _init_distributed(args) -> None:
 
 
 def _cmd_train(args) -> int:
+    from moejax.metrics import check_wandb
     from moejax.train.loop import RunOptions, train
 
     cfg = _resolve(args)
+    check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
+    cfg = _default_mesh(cfg, args)
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",
                       peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat,
@@ -125,10 +221,9 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_summary(args) -> int:
-    path = Path(args.run_dir) / "summary.json"
-    if not path.exists():
-        raise ConfigError(f"no summary.json in {args.run_dir} (did the run finish?)")
-    s = json.loads(path.read_text())
+    from moejax.train.run_dir import read_summary
+
+    s = read_summary(Path(args.run_dir))
     print(f"run {args.run_dir} ({s['preset']}): {s['steps']} steps in {s['wall_seconds']:.0f} s")
     print(f"  train loss  {s['first_loss']:.3f} -> {s['last_loss']:.3f}")
     if "eval/loss" in s:
@@ -210,7 +305,7 @@ def _backends_started() -> bool:
 
 
 def _ensure_host_devices(args) -> None:
-    """On CPU, a mesh of N devices needs N forced host devices, which must be set before jax starts.
+    """On CPU, a mesh of N devices needs N forced host devices, which must be set before jax's backend starts.
     The flag only affects the host platform, so it is harmless on GPU/TPU machines."""
     if getattr(args, "mesh", None) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         import math
@@ -220,7 +315,31 @@ def _ensure_host_devices(args) -> None:
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
 
 
+class _PreemptedWhileStarting(BaseException):
+    """SIGTERM to `train` before the trainer's own handler is set (imports, config, waiting for the
+    coordinator): nothing exists to save, so exit 75 at once (the launcher requeues), not 143."""
+
+
+def _raise_preempted(signum, frame) -> None:
+    raise _PreemptedWhileStarting(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    starting = (argv if argv is not None else sys.argv[1:])[:1] == ["train"]
+    starting = starting and threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _raise_preempted) if starting else None
+    try:
+        return _main(argv)
+    except _PreemptedWhileStarting as e:
+        print(f"moejax: preempted ({e}) while starting; nothing to save; run the same command again",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
+    finally:
+        if starting:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _main(argv: list[str] | None) -> int:
     # Before anything imports jax: subcommand modules may, and the device count is fixed at import.
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--mesh")

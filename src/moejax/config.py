@@ -25,6 +25,14 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _finite_floats(obj: Any) -> None:
+    """Every float field is a finite number: inf/nan (which `float()` parses) would reach the run silently."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.type in ("float", float) and isinstance(v, float):
+            _require(math.isfinite(v), f"{f.name} ({v}) must be a finite number")
+
+
 def _positive(obj: Any, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
@@ -69,6 +77,7 @@ class ModelConfig:
     attn_q_block: int = 0  # >0: attention over query blocks of this size (no [S, S] scores at once)
 
     def __post_init__(self):
+        _finite_floats(self)
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads",
                   "n_kv_heads_global", "window", "global_every", "gated_norm_rank", "conv_taps",
                   "n_experts", "top_k", "expert_width", "latent_width", "shared_width", "qb_bins")
@@ -145,6 +154,7 @@ class TrainConfig:
     temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept
 
     def __post_init__(self):
+        _finite_floats(self)
         _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "eval_batches",
                   "checkpoint_every", "temp_checkpoint_minutes")
         _require(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction ({self.warmup_fraction}) must be in [0, 1)")
@@ -189,6 +199,7 @@ class ParallelConfig:
     cf_recv: float = 1.15  # receiver capacity factor: rows per local expert per wave = cf_recv*A/(E_loc*W)
 
     def __post_init__(self):
+        _finite_floats(self)
         _positive(self, "replica_dcn", "data", "expert", "model", "waves", "cf_send", "cf_recv")
         _require(self.model == 1, f"model axis ({self.model}) > 1 is not supported yet (tensor parallelism)")
 
@@ -268,6 +279,7 @@ class DataConfig:
     prefetch: int = 2  # batches computed ahead by a background thread; 0 = synchronous
 
     def __post_init__(self):
+        _finite_floats(self)
         self.weight_map, self.cooldown_weight_map, self.epoch_caps, self.schedule_points  # validate
         _require(0.0 < self.cooldown_start < 1.0, f"data.cooldown_start ({self.cooldown_start}) must be in (0, 1)")
         _require(0.0 < self.heldout_fraction < 1.0,
@@ -366,6 +378,8 @@ class RunConfig:
 # ---- overrides ---------------------------------------------------------------------------------
 _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelConfig, "data": DataConfig,
              "alarms": AlarmConfig}
+# Read only by the `adam` optimizer; `hero` derives its lrs, betas and eps from the fitted heuristic (SPEC §4).
+ADAM_ONLY = ("learning_rate", "b1", "b2", "eps")
 
 
 def _coerce(cls: type, name: str, raw: str) -> Any:
@@ -396,4 +410,9 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         cls = _SECTIONS[section]
         _require(name in {f.name for f in fields(cls)}, f"override {item!r}: {cls.__name__} has no field {name!r}")
         changes.setdefault(section, {})[name] = _coerce(cls, name, raw)
-    return replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in changes.items()})
+    out = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in changes.items()})
+    ignored = [f"train.{n}" for n in ADAM_ONLY if n in changes.get("train", {})]
+    _require(out.train.optimizer != "hero" or not ignored,
+             f"{', '.join(ignored)} would have no effect: train.optimizer=hero takes its learning rates, betas "
+             "and eps from the fitted heuristic (SPEC §4); drop the override or add --set train.optimizer=adam")
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -19,14 +20,20 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
-    """Replace `path` with `data` (str is written as UTF-8) atomically."""
+def temp_name(path: str | os.PathLike) -> Path:
+    """The temp file `atomic_write*` uses for `path` (`.NAME.tmp-PID`; a killed writer may leave one)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    payload = data.encode() if isinstance(data, str) else data
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_write_chunks(path: str | os.PathLike, chunks: Iterable[bytes]) -> None:
+    """Replace `path` with the concatenated `chunks` atomically, streaming: memory stays flat for any size."""
+    path = Path(path)
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(payload)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -34,3 +41,8 @@ def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+    """Replace `path` with `data` (str is written as UTF-8) atomically."""
+    atomic_write_chunks(path, [data.encode() if isinstance(data, str) else data])

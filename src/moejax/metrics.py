@@ -2,6 +2,9 @@
 
 Names are W&B-compatible (`train/loss`, `moe/drop_fraction`, `throughput/mfu`, ...). W&B runs in
 offline mode unless `--wandb online` (or WANDB_MODE) says otherwise; `WANDB_MODE=disabled` turns it off.
+
+metrics.jsonl is appended one whole line per write, so a crash (or a full disk) can tear only the last
+line; every reader (`metric_lines`) drops a torn last line, and a resume rewrites the file without it.
 """
 
 from __future__ import annotations
@@ -10,8 +13,12 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
+
+from moejax import faults
+from moejax.config import ConfigError
 
 
 class MetricsWriter:
@@ -20,20 +27,22 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, wandb_mode: str = "offline", project: str = "moejax",
                  run_name: str | None = None, config: dict | None = None, primary: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._f = open(self.path, "a", encoding="utf-8") if primary else None
+        self._f = open(self.path, "ab") if primary else None
         self._wandb = None
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         if primary and mode != "disabled":
-            import wandb
-
-            self._wandb = wandb.init(project=project, name=run_name, dir=str(run_dir), mode=mode,
-                                     config=config, resume="allow", reinit="finish_previous")
+            self._wandb = _wandb_init(project=project, name=run_name, dir=str(run_dir), mode=mode, config=config)
 
     def log(self, step: int, metrics: dict) -> None:
         if self._f is None:
             return
         row = {"step": int(step), **{k: to_py(v) for k, v in metrics.items()}}
-        self._f.write(json.dumps(row) + "\n")
+        line = (json.dumps(row) + "\n").encode()
+        if faults.kill_at("metrics", step):  # a torn last line, as a crash mid-write leaves it
+            self._f.write(line[: len(line) // 2])
+            self._f.flush()
+            faults.kill_now()
+        self._f.write(line)  # one write of one whole line: only a crash inside it tears a line
         self._f.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if not isinstance(v, list)}, step=int(step))
@@ -43,6 +52,37 @@ class MetricsWriter:
             self._f.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def check_wandb(mode: str) -> None:
+    """Before a run starts: `online` (here or in WANDB_MODE) without an API key is one ConfigError line."""
+    if os.environ.get("WANDB_MODE", mode) == "online" and not _wandb_has_key():
+        raise ConfigError("--wandb online needs a W&B API key (run `wandb login` or set WANDB_API_KEY); "
+                          "or use --wandb offline and `wandb sync` later")
+
+
+def _wandb_init(**kw):
+    """wandb.init with its failures (no API key for `online`, no network) as one line."""
+    import wandb
+
+    check_wandb(kw["mode"])
+    try:
+        return wandb.init(resume="allow", reinit="finish_previous", **kw)
+    except Exception as e:  # wandb raises its own error types with multi-line text
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"W&B ({kw['mode']}) failed to start: {first}") from None
+
+
+def _wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1].split("/")[0]
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def to_py(v):
@@ -55,7 +95,33 @@ def to_py(v):
     return a.tolist()
 
 
+def metric_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line with its newline) of a metrics.jsonl, streamed, blank lines skipped. A last line
+    without its newline is torn (a crash or a full disk mid-write) and dropped unless it is whole JSON."""
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):  # only the last line can lack its newline
+                if is_json_object(line):
+                    yield i, line + b"\n"
+                return
+            if line.strip():
+                yield i, line
+
+
+def is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl (a torn last line dropped); a malformed earlier line is a ConfigError."""
     path = Path(run_dir) / "metrics.jsonl"
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    for i, line in metric_lines(path):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            raise ConfigError(f"{path} line {i} is not JSON ({getattr(e, 'msg', e)})") from None
+    return rows

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from moejax.config import ConfigError
+from moejax.metrics import metric_lines
 
 # (file stem, title, panels); a panel is (y label, log y, ((metric key, legend label), ...)).
 FIGURES = (
@@ -50,22 +51,20 @@ def _plt():
 
 
 def load_rows(run_dir: Path) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl; a missing, empty or malformed file is a ConfigError."""
+    """The rows of RUN_DIR/metrics.jsonl (a torn last line, as a crash leaves it, is dropped); a missing,
+    empty or malformed file is a ConfigError."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"no metrics.jsonl in {run_dir} (is it a run directory?)")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} line {i} is not JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path} line {i} is not a JSON object")
-            rows.append(row)
+    for i, line in metric_lines(path):
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{path} line {i} is not JSON ({getattr(e, 'msg', e)})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path} line {i} is not a JSON object")
+        rows.append(row)
     if not rows:
         raise ConfigError(f"{path} is empty: the run logged no steps")
     return rows
@@ -197,16 +196,30 @@ def write_report(run_dir: Path, out_dir: Path | None = None, layer: int | None =
     run_dir = Path(run_dir)
     rows = load_rows(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create report dir {out_dir}: {e.strerror or e}") from None
-    written = [plot_lines(rows, stem, title, panels, out_dir) for stem, title, panels in FIGURES]
-    written += [plot_overflow(rows, out_dir), plot_load(rows, out_dir, layer)]
-    written = [p for p in written if p is not None]
-    if not written:
-        raise ConfigError(f"{run_dir / 'metrics.jsonl'} has none of the plotted metrics "
-                          f"(e.g. train/loss, moe/drop_fraction, {LOAD_KEY})")
+    written: list[Path] = []
+    try:
+        for stem, title, panels in FIGURES:
+            written.append(plot_lines(rows, stem, title, panels, out_dir))
+        written += [plot_overflow(rows, out_dir), plot_load(rows, out_dir, layer)]
+        written = [p for p in written if p is not None]
+        if not written:
+            raise ConfigError(f"{run_dir / 'metrics.jsonl'} has none of the plotted metrics "
+                              f"(e.g. train/loss, moe/drop_fraction, {LOAD_KEY})")
+    except BaseException:  # a failed report leaves nothing: no half set of plots, no empty dir
+        for p in written:
+            if p is not None:
+                p.unlink(missing_ok=True)
+        if created:
+            try:
+                out_dir.rmdir()  # only when empty: nothing but what this call wrote is removed
+            except OSError:
+                pass
+        raise
     return written
 
 

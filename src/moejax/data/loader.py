@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moejax.data.store import StoreError
+
 SPLITS = {"train": 0, "eval": 1}  # part of the permutation key, so the two splits never share an order
 
 
@@ -98,6 +100,8 @@ class MixtureLoader:
         out = {key: np.concatenate([p[key] for p in parts])[order] for key in parts[0]}
         top = max(int(out["tokens"].max()), int(out["targets"].max()))
         if top >= self.vocab_size:  # an embedding lookup would clamp it silently
-            raise ValueError(f"{self.split} batch {step}: token id {top} is >= the tokenizer's vocab_size "
-                             f"{self.vocab_size}")
+            names = ", ".join(repr(self.sources[k].name) for k in np.unique(src))
+            raise StoreError(f"{self.split} batch {step}: token id {top} (source {names}) is >= the "
+                             f"tokenizer's vocab_size {self.vocab_size}: the store is corrupt; check it with "
+                             "`moejax data check --verify`")
         return out

@@ -39,7 +39,10 @@ def prepare(sources: dict[str, list[str]], tokenizer_spec: str, out: str, opts: 
             overwrite: bool = False, progress: bool = True, batch_bytes: int = 1 << 22) -> dict:
     """Build the store at `out`; returns its manifest. Nothing is left at `out` (or beside it) on failure."""
     files = {name: expand_paths(paths) for name, paths in sources.items()}  # fail on missing files first
-    writer = StoreWriter(Path(out), overwrite)
+    try:
+        writer = StoreWriter(Path(out), overwrite)
+    except OSError as e:  # a read-only or full disk: one line
+        raise StoreError(f"cannot create the store {out}: {e.strerror or e} ({e.filename or out})") from None
     try:
         tok = _tokenizer(tokenizer_spec, files, opts)
         manifest = new_manifest(tok, token_dtype(tok.vocab_size))
@@ -50,6 +53,9 @@ def prepare(sources: dict[str, list[str]], tokenizer_spec: str, out: str, opts: 
         tok.save(writer.tmp / "tokenizer.json")
         np.save(writer.tmp / "bytes_per_token.npy", tok.bytes_per_token().astype(np.int32))
         writer.commit(manifest)
+    except OSError as e:  # a full or read-only disk mid-write
+        writer.abort()
+        raise StoreError(f"cannot write the store {out}: {e.strerror or e} ({e.filename or writer.tmp})") from None
     except BaseException:
         writer.abort()
         raise

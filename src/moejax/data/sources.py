@@ -19,6 +19,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -85,7 +86,17 @@ def input_bytes(path: str) -> int:
 
 
 def read_documents(path: str, opts: ReadOptions) -> Iterator[str]:
-    """Documents of one file, in file order (empty ones included; the writer skips and counts them)."""
+    """Documents of one file, in file order (empty ones included; the writer skips and counts them).
+    A corrupt or truncated `.gz`, or a read error, is one SourceError line naming the file."""
+    try:
+        yield from _documents(path, opts)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise SourceError(f"{path}: corrupt or truncated gzip data ({e})") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
+def _documents(path: str, opts: ReadOptions) -> Iterator[str]:
     if path == "builtin:kjv":
         from moejax.data.corpus import bible_documents
 

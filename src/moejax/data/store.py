@@ -10,7 +10,10 @@ Layout of a store directory:
 Choices: `.npy` (not a custom binary) so `np.load(mmap_mode="r")` opens any store; token arrays are
 streamed to disk with a fixed-size header patched at the end, so memory stays flat for any corpus size;
 the whole store is built under a hidden temporary name next to the target and renamed at the end, so a
-failure (or Ctrl-C) never leaves a partial store where a loader could find it.
+failure (or Ctrl-C) never leaves a partial store where a loader could find it. The temporary name
+(`.NAME.tmp-PID-XXXXXXXX@HOST`) records its writer, so the next prepare of NAME removes those left by
+killed writers on this host. `--overwrite` replaces only an empty directory or a store holding nothing
+but what prepare wrote; anything else is refused, untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -76,6 +81,47 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
+STORE_FILES = ("manifest.json", "tokenizer.json", "bytes_per_token.npy")
+SOURCE_FILES = ("tokens.npy", "doc_offsets.npy")
+
+
+def _work_dir_re(name: str) -> re.Pattern:
+    return re.compile(rf"^\.{re.escape(name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}(?:@(.+))?$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def _not_written_by_prepare(out: Path) -> str | None:
+    """The first entry of `out` that `moejax data prepare` did not write (None: empty, or a pure store)."""
+    if not out.is_dir():
+        return f"{out} itself (not a directory)"
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return None
+    try:
+        m = json.loads((out / "manifest.json").read_text())
+        ok = isinstance(m, dict) and m.get("format") == FORMAT and isinstance(m.get("sources"), dict)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        return "its contents (no moejax manifest.json)"
+    for name in entries:
+        if name in STORE_FILES:
+            continue
+        sub = out / name
+        if name not in m["sources"] or not sub.is_dir() or any(f.name not in SOURCE_FILES for f in sub.iterdir()):
+            return name
+    return None
+
+
 class StoreWriter:
     """Builds a store under a temporary directory; `commit()` renames it into place, `abort()` deletes it."""
 
@@ -83,10 +129,32 @@ class StoreWriter:
         self.out, self.overwrite = Path(out), overwrite
         if self.out.exists() and not overwrite:
             raise StoreError(f"{self.out} already exists; choose another --out or pass --overwrite")
+        if self.out.exists() and (alien := _not_written_by_prepare(self.out)):
+            raise StoreError(f"--overwrite refused: {self.out} is not empty and not only a token store "
+                             f"(moejax did not write {alien}); choose another --out")
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._remove_leftovers()
+        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{tag}"
+        self._old = self.out.parent / f".{self.out.name}.old-{tag}"
         self.tmp.mkdir()
         self.sources: dict[str, dict] = {}
+
+    def _remove_leftovers(self) -> None:
+        """Work dirs of killed prepare runs of this store on this host (their PID is gone): `.tmp-` ones
+        always, `.old-` ones (a replaced store) only once the swap had finished, i.e. `out` exists."""
+        pattern, host, removed = _work_dir_re(self.out.name), socket.gethostname(), []
+        for p in self.out.parent.iterdir():
+            m = pattern.match(p.name)
+            if not m or m.group(3) not in (None, host) or _pid_alive(int(m.group(2))):
+                continue
+            if m.group(1) == "old" and not self.out.exists():
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        if removed:
+            print(f"moejax: removed {len(removed)} work dir(s) left by killed prepare runs: {', '.join(removed)}",
+                  file=sys.stderr)
 
     def source_paths(self, name: str) -> tuple[Path, Path]:
         (self.tmp / name).mkdir()
@@ -98,10 +166,9 @@ class StoreWriter:
         manifest["sha256"] = {f.name: sha256_file(f) for f in sorted(self.tmp.iterdir()) if f.is_file()}
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if self.overwrite and self.out.exists():  # --overwrite: swap, then delete the old store
-            old = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(self.out, old)
+            os.rename(self.out, self._old)
             os.rename(self.tmp, self.out)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(self._old, ignore_errors=True)
             return self.out
         try:  # a directory renames over an empty one only: a store another process finished first stays
             os.rename(self.tmp, self.out)

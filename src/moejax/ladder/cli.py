@@ -9,11 +9,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from moejax.config import ConfigError
 
 EXIT_DOES_NOT_FIT = 1
+MIN_RUNGS = 3  # a power law E + A*C^-alpha has three parameters
 
 
 def _cmd_ladder_plan(args) -> int:
@@ -58,6 +60,12 @@ def _cmd_ladder_fit(args) -> int:
     rows = read_results(out)
     if not rows:
         raise ConfigError(f"no results.csv (or no rows) in {out}; run `moejax ladder run --scale cpu --out {out}`")
+    usable = [r for r in rows if r.get("status", "ok") == "ok" and math.isfinite(float(r.get(args.loss, math.nan)))]
+    if len(usable) < MIN_RUNGS:
+        bad = [r["name"] for r in rows if r not in usable]
+        raise ConfigError(f"ladder fit needs >= {MIN_RUNGS} usable rungs; {out / 'results.csv'} has {len(usable)}"
+                          + (f" (unusable: {', '.join(bad)})" if bad else "")
+                          + f"; run more with `moejax ladder run --out {out}`")
     target = args.target_flops if args.target_flops is not None else hero_train_flops()
     if not target > 0:
         raise ConfigError(f"--target-flops ({target}) must be positive")

@@ -4,13 +4,18 @@ The pieces it calls live with their owners: the run directory's files in `train.
 summary's running totals and the routing-health alarms in `train.monitor` / `train.alarms`, the optimizer in
 `train.optimizer`, state creation and placement in `train.state`, the MoE backend in `parallel.backends`,
 checkpoints in `moejax.checkpoint`, data in `moejax.data.pipeline`.
+
+Never lose a user's data: the run dir is locked for the run's lifetime (`RunLock`); `--init-from` is
+validated before anything is written; every step's loss, grad, update and parameter norms (computed in the
+jitted step) must be finite before the step is logged or saved, so no checkpoint holds non-finite weights,
+and a resume falls back past one that does (an older build could write them); a signal during set-up
+exits 75 at once, a signal after the first step finishes the step and saves first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,14 +23,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
-from moejax import accounting
-from moejax.checkpoint import (EXIT_PREEMPTED, CheckpointError, CheckpointManager, PreemptionGuard, list_checkpoints,
-                               restore)
+from moejax import accounting, faults
+from moejax.checkpoint import (EXIT_PREEMPTED, MARKER, METADATA, STATE, CheckpointError, CheckpointManager,
+                               PreemptionGuard, PreemptionSignal, check_compatible, list_checkpoints, restore)
 from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import init_params_from_export, is_export
@@ -37,7 +41,8 @@ from moejax.perf import job_peak
 from moejax.train.alarms import LOAD_KEY
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
-from moejax.train.run_dir import RunError, prepare_run_dir, read_summary, run_info, truncate_metrics, write_json
+from moejax.train.run_dir import (RunError, RunLock, prepare_run_dir, read_summary, run_info, truncate_metrics,
+                                  write_json)
 from moejax.train.state import TrainState, init_state, place_state
 from moejax.train.step import make_eval_step, make_train_step
 
@@ -54,7 +59,7 @@ class RunOptions:
     wandb: str = "offline"
     wandb_project: str = "moejax"
     wandb_run_name: str = ""  # default: the run directory's name
-    peak_flops: float = 0.0  # per device (per process on CPU); 0: measured at start (moejax.perf.job_peak)
+    peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
     progress: bool = True
     remat: bool = False
     init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
@@ -66,24 +71,67 @@ def _primary() -> bool:
 
 def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dict:
     """Train (or resume) the run in `run_dir`; returns the summary. Raises RunError/ConfigError for user
-    errors, Preempted after SIGTERM/SIGINT (a temporary checkpoint is then on disk)."""
-    run_dir = Path(run_dir)
+    errors, Preempted after SIGTERM/SIGINT (a temporary checkpoint is then on disk if a step had run)."""
+    with PreemptionGuard(immediate=True) as guard:  # until the first step: a signal exits 75 at once
+        try:
+            return _train(cfg, Path(run_dir), opts, guard)
+        except PreemptionSignal as e:
+            raise Preempted(f"preempted ({e}) before the first step; nothing new to save; "
+                            "run the same command again to resume") from None
+
+
+def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGuard) -> dict:
     mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
     moe_backend(cfg.parallel, mesh)  # before any data work
-    if opts.init_from and not Path(opts.init_from).is_dir():
-        raise RunError(f"--init-from {opts.init_from}: no such checkpoint or run directory")
-    data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+    init_from = resolve_init_from(opts.init_from, dataclasses.asdict(cfg.model)) if opts.init_from else None
+    lock = RunLock(run_dir).acquire() if _primary() else None  # before the first byte is written
     try:
-        resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
-        peak_info = job_peak(opts.peak_flops)
-        peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
-        if _primary():
-            write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe()})
-        return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh)
-    except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
-        raise RunError(str(e)) from None
+        data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+        try:
+            resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
+            peak_info = job_peak(opts.peak_flops)
+            peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
+            if _primary():
+                write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe()})
+            return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
+        except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
+            raise RunError(str(e)) from None
+        finally:
+            data.close()
     finally:
-        data.close()
+        if lock is not None:
+            lock.release()
+
+
+def resolve_init_from(init_from: str, model_cfg: dict) -> Path:
+    """The complete checkpoint dir `--init-from` names (a run dir: its newest complete one; or a `moejax
+    export` dir), with its model config checked: all before the new run dir is touched, so a bad path fails in
+    seconds, leaving nothing."""
+    src = Path(init_from)
+    if not src.is_dir():
+        raise RunError(f"--init-from {src}: no such checkpoint or run directory")
+    if is_export(src):  # weights + router bias, no optimizer state; its config is checked when loaded
+        return src
+    if (src / "checkpoints").is_dir():
+        complete = [c for c in list_checkpoints(src) if c.complete]
+        if not complete:
+            raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
+        src = complete[-1].path
+    elif not (src / MARKER).is_file():
+        raise RunError(f"--init-from {src}: neither a run dir (with checkpoints/) nor a complete checkpoint "
+                       f"(with {METADATA}, {STATE}/ and {MARKER})")
+    if not (src / STATE).is_dir():
+        raise RunError(f"--init-from {src}: no {STATE}/ directory in this checkpoint")
+    try:
+        meta = json.loads((src / METADATA).read_text())
+    except (OSError, ValueError) as e:
+        raise RunError(f"--init-from {src}: unreadable {METADATA} ({type(e).__name__})") from None
+    try:
+        if isinstance(meta, dict) and "model_config" in meta:
+            check_compatible(meta["model_config"], model_cfg)
+    except CheckpointError as e:
+        raise RunError(f"--init-from {src}: {e}") from None
+    return src
 
 
 @dataclass
@@ -98,8 +146,11 @@ class _Session:
     bytes_per_token: jax.Array  # [V] UTF-8 bytes per id, for bits per byte
 
 
-def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data, mesh: Mesh) -> _Session:
+def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data, mesh: Mesh,
+           init_from: Path | None) -> _Session:
     m, t = cfg.model, cfg.train
+    if faults.sigterm_before_step():
+        faults.sigterm_now()
     optimizer, lr_fns = make_optimizer(cfg)
     try:
         ckpt = CheckpointManager(run_dir, permanent_every=t.checkpoint_every,
@@ -107,8 +158,18 @@ def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data
                                  model_config=dataclasses.asdict(m), run_config=cfg.to_dict())
     except CheckpointError as e:
         raise RunError(str(e)) from None
+    try:
+        return _setup_with(ckpt, cfg, opts, resuming, data, mesh, init_from, optimizer, lr_fns)
+    except BaseException:  # a failure (or a signal) before the loop: no async saver left running
+        ckpt.close()
+        raise
+
+
+def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resuming: bool, data, mesh: Mesh,
+                init_from: Path | None, optimizer, lr_fns) -> _Session:
+    m, t = cfg.model, cfg.train
     state = init_state(cfg, optimizer, jax.random.key(t.seed), mesh)
-    state = _initial_state(state, ckpt, resuming, opts.init_from, optimizer, dataclasses.asdict(m))
+    state = _initial_state(state, ckpt, resuming, init_from, optimizer, dataclasses.asdict(m))
     state, offload = place_state(state, t.opt_state_memory)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     routed = moe_backend(cfg.parallel, mesh)
@@ -132,34 +193,41 @@ def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
 
 
 def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float,
-                mesh: Mesh) -> dict:
+                mesh: Mesh, init_from: Path | None, guard: PreemptionGuard) -> dict:
     t = cfg.train
-    s = _setup(cfg, run_dir, opts, resuming, data, mesh)
+    s = _setup(cfg, run_dir, opts, resuming, data, mesh, init_from)
     start = int(s.state.step)
     totals = RunTotals()
-    if start:
-        truncate_metrics(run_dir, start)
-        # The earlier segments, so the summary covers the whole run (only the primary writes summary.json).
-        if _primary() and (run_dir / "metrics.jsonl").exists():
-            totals = RunTotals.from_rows(read_metrics(run_dir))
-    writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project,
-                           run_name=opts.wandb_run_name or run_dir.name, config=cfg.to_dict(), primary=_primary())
+    try:
+        if _primary():  # rows of steps that run again (also after a crash before the first checkpoint), a torn line
+            truncate_metrics(run_dir, start)
+            if start and (run_dir / "metrics.jsonl").exists():  # earlier segments: the summary covers the whole run
+                totals = RunTotals.from_rows(read_metrics(run_dir))
+        writer = MetricsWriter(run_dir, wandb_mode=opts.wandb, project=opts.wandb_project,
+                               run_name=opts.wandb_run_name or run_dir.name, config=cfg.to_dict(), primary=_primary())
+    except BaseException:
+        s.ckpt.close()
+        raise
     log = StepLog(cfg, writer, totals, emit=print_alarm if _primary() else lambda line: None)
-    fault_at = int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0"))
+    fault_at = faults.sigterm_at_step()
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
+    saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
     try:
         if start == 0 and t.eval_at_start:  # the initial weights: an eval-only row of step 0, before its train row
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
-        with PreemptionGuard() as guard:
+        with guard.deferred():  # from the first step on, a signal finishes the step and saves
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
                 s.state, metrics = s.step_fn(s.state, s.to_global(data.train.batch(step)))
                 metrics = jax.device_get(metrics)
                 load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
                 metrics = {k: to_py(v) for k, v in metrics.items()}
-                log.check(step, metrics, load_LE)
+                if faults.kill_at("step", step):
+                    faults.kill_now()
                 _check_finite(step, metrics, run_dir)
+                log.check(step, metrics, load_LE)
+                s.ckpt.poll()  # a background save that failed (e.g. disk full) stops the run now
                 metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
                 last = step + 1 == t.steps
                 if last or (t.eval_every and (step + 1) % t.eval_every == 0):
@@ -170,15 +238,17 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                                 drop=f"{metrics['moe/drop_fraction']:.3f}")
                 bar.update(1)
                 if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    faults.sigterm_now()
+                saved["data_step"] = step + 1
                 if guard.stop_requested():
-                    s.ckpt.save(step + 1, s.state, kind="temporary", extra_metadata={"data_step": step + 1})
+                    s.ckpt.save(step + 1, s.state, kind="temporary", extra_metadata=saved)
                     s.ckpt.wait()
                     raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
                                     "run the same command again to resume")
                 if not last and (kind := s.ckpt.should_save(step + 1)):
-                    s.ckpt.save(step + 1, s.state, kind=kind, extra_metadata={"data_step": step + 1})
-            s.ckpt.save(int(s.state.step), s.state, kind="final", extra_metadata={"data_step": int(s.state.step)})
+                    s.ckpt.save(step + 1, s.state, kind=kind, extra_metadata=saved)
+            if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
+                s.ckpt.save(int(s.state.step), s.state, kind="final", extra_metadata=saved)
     finally:
         bar.close()
         writer.close()
@@ -198,27 +268,22 @@ def _throughput(cfg: RunConfig, seq_len: int, seconds: float, peak: float) -> di
             "throughput/mfu": flops / seconds / peak, "data/seq_len": seq_len}
 
 
-def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, init_from: str, optimizer,
+def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, init_from: Path | None, optimizer,
                    model_cfg: dict) -> TrainState:
-    """Resume from this run's newest complete checkpoint, or start a new run from another run's weights."""
+    """Resume from this run's newest usable checkpoint, or start a new run from another run's weights."""
     try:
         if resuming:
-            restored = ckpt.restore_latest(state)
+            restored = ckpt.restore_latest(state, check=unusable_state)
             if restored is not None:
                 return restored[0]
-        if init_from:
-            src = Path(init_from)
-            if is_export(src):  # `moejax export` output: weights + router bias, no optimizer state
-                params = init_params_from_export(src, state.params, model_cfg)
+        if init_from is not None:
+            if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
+                params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
             else:
-                if (src / "checkpoints").is_dir():
-                    complete = [c for c in list_checkpoints(src) if c.complete]
-                    if not complete:
-                        raise RunError(f"--init-from {src}: no complete checkpoint in {src / 'checkpoints'}")
-                    src = complete[-1].path
-                elif not src.is_dir():
-                    raise RunError(f"--init-from {src}: no such checkpoint or run directory")
-                params = restore(src, state, model_config=model_cfg)[0].params
+                loaded, meta = restore(init_from, state, model_config=model_cfg)
+                params = loaded.params
+            if why := unusable_state(dataclasses.replace(state, params=params), meta):
+                raise RunError(f"--init-from {init_from}: {why}")
             # A new buffer per leaf, also for the fp32 router bias: the state is donated to the step.
             compute = jax.tree.map(lambda p, c: jnp.array(p, dtype=c.dtype, copy=True), params, state.compute)
             return TrainState(step=state.step, params=params, compute=compute, opt_state=optimizer.init(params),
@@ -239,9 +304,31 @@ def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=
             f"{prefix}drop_fraction": float(np.mean(drops))}
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def unusable_state(state: TrainState, meta: dict) -> str | None:
+    """Why a restored checkpoint must not be trained from (non-finite weights), or None. One reduction on
+    device, once per restore; a checkpoint whose metadata says so is refused without looking."""
+    if meta.get("finite") is False or not bool(_all_finite(state.params)):
+        return "non-finite parameters (saved after a divergence)"
+    return None
+
+
+# The step's norms, computed inside the jitted step (no extra pass over the weights): the parameter norm is
+# non-finite whenever a parameter is (or when they are so large that its square overflows: a divergence
+# too), so checking it before anything is logged or saved keeps non-finite weights off disk.
+FINITE_KEYS = ("train/loss", "train/grad_norm", "train/update_norm", "train/param_norm")
+
+
 def _check_finite(step: int, metrics: dict, run_dir: Path) -> None:
-    for key in ("train/loss", "train/grad_norm"):
+    for key in FINITE_KEYS:
         v = metrics[key]
         if isinstance(v, str) or not np.isfinite(v):
             write_json(run_dir / "nonfinite.json", {"step": step, **metrics}, default=str)
-            raise RunError(f"non-finite {key} ({v}) at step {step}; metrics written to {run_dir / 'nonfinite.json'}")
+            raise RunError(f"non-finite {key} ({v}) at step {step}; metrics written to {run_dir / 'nonfinite.json'}; "
+                           "nothing of this step was saved")
+

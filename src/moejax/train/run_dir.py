@@ -3,13 +3,21 @@
 RUN_DIR holds `config.json` (the resolved RunConfig), `run_info.json` (git SHA, library versions, device
 topology, derived numbers), `metrics.jsonl` (one object per step), `summary.json`, and `checkpoints/`
 (moejax.checkpoint). Every file is published with `fsio.atomic_write`; only the primary process writes.
+A running trainer holds `RunLock` (an exclusive flock on RUN_DIR/.lock) so two can never share a run dir.
+
+Never lose a user's data: `--overwrite` deletes only what moejax wrote (RUN_FILES, RUN_DIRS and their
+atomic-write temp files), and only in a directory that is empty or recognisably a moejax run.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
+import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,39 +25,146 @@ from pathlib import Path
 import jax
 
 from moejax import accounting
+from moejax.checkpoint import list_checkpoints
 from moejax.config import RunConfig
 from moejax.diffs import first_difference
-from moejax.fsio import atomic_write
+from moejax.fsio import atomic_write, atomic_write_chunks
+from moejax.metrics import is_json_object
 from moejax.model.transformer import param_count
 
 LIBRARIES = ("jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers")
+LOCK = ".lock"
+RUN_FILES = ("config.json", "run_info.json", "metrics.jsonl", "summary.json", "nonfinite.json")
+RUN_DIRS = ("checkpoints", "wandb", "report")  # report/: `moejax report`'s default output
+SUMMARY_KEYS = ("preset", "steps", "first_loss", "last_loss", "tokens_per_second", "mfu", "wall_seconds",
+                "drop_fraction")
+_TEMP = re.compile(r"^\.(.+)\.tmp-\d+$")  # fsio.temp_name of a killed writer
+_STEP_PREFIX = re.compile(rb'^\{"step": (-?\d+)[,}]')  # MetricsWriter writes "step" first
 
 
 class RunError(RuntimeError):
     """A user-facing problem with the run directory or the run itself (one line, exit 2)."""
 
 
+# ---- the lock ----------------------------------------------------------------------------------------
+class RunLock:
+    """An exclusive `flock` on RUN_DIR/.lock, held for the run's lifetime; the file names the holder.
+
+    The kernel drops the lock when the holder dies (even by kill -9), so a stale file never blocks a
+    resume. Release unlinks the file while still holding the lock; an acquirer therefore checks that
+    the file it locked is still the one at the path, and retries otherwise.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK
+        self._fd: int | None = None
+        self._created = False
+
+    def acquire(self) -> "RunLock":
+        self._created = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            while not self._try_lock():
+                pass
+        except OSError as e:
+            raise RunError(f"cannot lock run dir {self.run_dir}: {e.strerror or e}") from None
+        me = f"PID {os.getpid()} on host {socket.gethostname()}"
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (me + "\n").encode(), 0)
+        return self
+
+    def _try_lock(self) -> bool:
+        """True when locked; False when the file was replaced under us (retry); RunError when held."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunError(f"run dir {self.run_dir} is in use by {holder} (it holds {self.path}); "
+                           "wait for that run to end or stop it first") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # still locked here: nobody can take the old file in between
+        os.close(self._fd)
+        self._fd = None
+        if self._created:  # a run that failed before writing anything leaves no empty dir behind
+            try:
+                self.run_dir.rmdir()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---- creating, overwriting, resuming -------------------------------------------------------------------
+def _written_by_moejax(name: str) -> bool:
+    m = _TEMP.match(name)
+    return name in RUN_FILES or name in RUN_DIRS or bool(m and m.group(1) in RUN_FILES)
+
+
+def _json_dict(path: Path) -> dict | None:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def is_moejax_run(run_dir: Path) -> bool:
+    """A config.json or run_info.json that moejax wrote, or checkpoint step dirs."""
+    cfg, info = _json_dict(run_dir / "config.json"), _json_dict(run_dir / "run_info.json")
+    return bool((cfg and {"model", "train", "parallel"} <= set(cfg)) or (info and "accounting" in info)
+                or list_checkpoints(run_dir))
+
+
+def clear_run_dir(run_dir: Path) -> list[str]:
+    """--overwrite: delete what moejax wrote in `run_dir`; returns the names of the entries kept.
+    Refuses (RunError, nothing deleted) unless the dir is empty or recognisably a moejax run."""
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
+    if entries and not is_moejax_run(run_dir):
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise RunError(f"--overwrite refused: {run_dir} is not a moejax run (no config.json, run_info.json or "
+                       f"checkpoints written by moejax) and is not empty ({shown}); choose another --run-dir")
+    for name in entries:
+        if _written_by_moejax(name):
+            p = run_dir / name
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    return [n for n in entries if not _written_by_moejax(n)]
+
+
 def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: bool = True) -> bool:
     """Create the run dir and its config.json; True when it already holds this run (resume).
-    Only the primary process writes; the others only read what is there."""
+    Only the primary process writes; the others only read what is there. Call with the RunLock held."""
     cfg_path = run_dir / "config.json"
     if not primary:
         return cfg_path.exists() and not overwrite
     if cfg_path.exists() and not overwrite:
-        try:
-            old = json.loads(cfg_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise RunError(f"run dir {run_dir} has an unreadable config.json ({e}); pass --overwrite to replace it")
-        new = cfg.to_dict()
-        diff = first_difference(_comparable(_with_new_fields(old, new)), _comparable(new))
-        if diff:
-            raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
-                           "choose another --run-dir or pass --overwrite")
-        atomic_write(cfg_path, cfg.to_json())  # records the mesh this restart runs on
+        old = _json_dict(cfg_path)
+        if old is None:
+            raise RunError(f"run dir {run_dir} has an unreadable config.json; pass --overwrite to start it over")
+        _check_same_run(run_dir, old, cfg.to_dict())
+        atomic_write(cfg_path, cfg.to_json())  # records the mesh (and steps) this restart runs with
         return True
-    if run_dir.exists() and overwrite:
-        shutil.rmtree(run_dir)
     try:
+        if run_dir.exists() and overwrite and (kept := clear_run_dir(run_dir)):
+            print(f"moejax: --overwrite kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} moejax did not "
+                  f"write in {run_dir}: {', '.join(kept)}", file=sys.stderr)
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(cfg_path, cfg.to_json())
     except OSError as e:
@@ -58,12 +173,13 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
 
 
 # The mesh may change between restarts (checkpoints reshard on load), and so may the alarm thresholds
-# (monitoring only); the model, data and schedule may not.
+# (monitoring only); the model, data and schedule may not, except that a run may be extended to more steps.
 RESTART_MAY_CHANGE = ("parallel", "alarms")
 
 
 def _comparable(d: dict) -> dict:
-    return {k: v for k, v in d.items() if k not in RESTART_MAY_CHANGE}
+    return {k: ({**v, "steps": None} if k == "train" and isinstance(v, dict) else v)
+            for k, v in d.items() if k not in RESTART_MAY_CHANGE}
 
 
 def _with_new_fields(old: dict, new: dict) -> dict:
@@ -76,6 +192,23 @@ def _with_new_fields(old: dict, new: dict) -> dict:
     return out
 
 
+def _check_same_run(run_dir: Path, old: dict, new: dict) -> None:
+    diff = first_difference(_comparable(_with_new_fields(old, new)), _comparable(new))
+    if diff:
+        raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
+                       "choose another --run-dir or pass --overwrite")
+    was, now = old.get("train", {}).get("steps"), new["train"]["steps"]
+    if was == now:
+        return
+    if not isinstance(was, int) or now < was:
+        raise RunError(f"run dir {run_dir} already holds a different run (train.steps: {was} there, {now} now); "
+                       "a run can be extended to more steps, not shortened")
+    at = max((c.step for c in list_checkpoints(run_dir) if c.complete), default=0)
+    print(f"moejax: extending {run_dir} from {was} to {now} steps: the learning-rate and data schedules, which "
+          f"scale with train.steps, change from the step it resumes at ({at}) on", file=sys.stderr)
+
+
+# ---- files ---------------------------------------------------------------------------------------------
 def run_info(cfg: RunConfig, peak: float) -> dict:
     """What reproduces the run from its log (STYLE rule 10)."""
     try:
@@ -93,13 +226,54 @@ def write_json(path: Path, obj: dict, **kw) -> None:
     atomic_write(path, json.dumps(obj, indent=2, **kw))
 
 
+def _keep_row(line: bytes, start: int) -> bool:
+    """A whole row (newline included) of a step before `start`."""
+    m = _STEP_PREFIX.match(line)
+    return line.endswith(b"\n") and bool(m) and int(m.group(1)) < start
+
+
 def truncate_metrics(run_dir: Path, start: int) -> None:
-    """Drop rows of steps that will be re-run after a resume, so metrics.jsonl has each step once."""
+    """Before a (re)start at step `start`: drop the rows of steps that will run again and a torn last line,
+    so metrics.jsonl has each step once. Streams (the file can be huge): one read pass finds the first row
+    to drop; only then is the file rewritten, its kept prefix copied in blocks and the rest filtered line
+    by line, into a temp file renamed over it."""
     path = run_dir / "metrics.jsonl"
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
-        atomic_write(path, "".join(r + "\n" for r in rows))
+    if not path.exists():
+        return
+    cut = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip() and not _keep_row(raw, start):
+                break
+            cut += len(raw)
+        else:
+            return  # nothing to drop: no rewrite
+
+    def chunks():
+        with open(path, "rb") as f:
+            left = cut
+            while left:
+                block = f.read(min(left, 1 << 24))
+                left -= len(block)
+                yield block
+            for raw in f:  # normally only rows after the resume step: all dropped
+                if _keep_row(raw, start):
+                    yield raw
+                elif not raw.endswith(b"\n") and _keep_row(raw + b"\n", start) and is_json_object(raw):
+                    yield raw + b"\n"  # a whole last row that only lacks its newline
+
+    atomic_write_chunks(path, chunks())
 
 
 def read_summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    """summary.json, with a missing, empty or truncated file as one RunError line."""
+    path = Path(run_dir) / "summary.json"
+    if not path.exists():
+        raise RunError(f"no summary.json in {run_dir} (did the run finish?)")
+    s = _json_dict(path)
+    if s is None:
+        raise RunError(f"{path} is empty, truncated or not a JSON object; the run's numbers are in metrics.jsonl")
+    missing = [k for k in SUMMARY_KEYS if k not in s]
+    if missing:
+        raise RunError(f"{path} lacks {', '.join(missing)}; the run's numbers are in metrics.jsonl")
+    return s

@@ -1,0 +1,39 @@
+"""Fault injection for the crash tests (tests/test_faults.py, bench/fault_injection.py): environment hooks
+that do nothing unless set. They make a crash land at an exact point that a timer would hit only by luck.
+
+  MOEJAX_FAULT_KILL=POINT:STEP          SIGKILL this process at POINT of step STEP:
+      step      step STEP has been computed, nothing about it written yet
+      metrics   half of step STEP's metrics.jsonl line written (a torn last line)
+      save      the checkpoint of step STEP has its arrays on disk but no COMMITTED marker yet
+  MOEJAX_FAULT_SIGTERM_AT_STEP=N        a real SIGTERM after step N (N >= 1) has run
+  MOEJAX_FAULT_SIGTERM_BEFORE_STEP=1    a real SIGTERM during set-up, before the first step
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def kill_at(point: str, step: int) -> bool:
+    """True when MOEJAX_FAULT_KILL names this point and step."""
+    want = os.environ.get("MOEJAX_FAULT_KILL", "")
+    return bool(want) and want == f"{point}:{step}"
+
+
+def kill_now() -> None:
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sigterm_at_step() -> int:
+    return int(os.environ.get("MOEJAX_FAULT_SIGTERM_AT_STEP", "0") or 0)
+
+
+def sigterm_before_step() -> bool:
+    return os.environ.get("MOEJAX_FAULT_SIGTERM_BEFORE_STEP", "") == "1"
+
+
+def sigterm_now() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)

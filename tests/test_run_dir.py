@@ -1,0 +1,192 @@
+"""The run directory never loses a user's data: --overwrite only deletes what moejax wrote (and only in a
+moejax run), one trainer per run dir (flock), torn metrics lines, unreadable summaries, extending a run."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from moejax.cli import main
+from moejax.config import apply_overrides
+from moejax.metrics import read_metrics
+from moejax.presets import preset
+from moejax.report import load_rows, write_report
+from moejax.train.run_dir import (RunError, RunLock, clear_run_dir, prepare_run_dir, read_summary,
+                                  truncate_metrics)
+
+CFG = apply_overrides(preset("tiny"), ["model.n_layers=2", "train.steps=6"])
+
+
+def _row(step, **kw):
+    return json.dumps({"step": step, "train/loss": 5.0 - 0.1 * step, **kw}) + "\n"
+
+
+def _fake_run(run_dir, steps=4):
+    """What a run leaves: config, run_info, metrics, summary, a checkpoint, wandb files, temp files."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(CFG.to_json())
+    (run_dir / "run_info.json").write_text(json.dumps({"accounting": {}}))
+    (run_dir / "metrics.jsonl").write_text("".join(_row(s) for s in range(steps)))
+    (run_dir / "summary.json").write_text("{}")
+    (run_dir / f".metrics.jsonl.tmp-{os.getpid()}").write_text("partial")
+    for d in ("checkpoints/step_00000002/state", "wandb/offline-run"):
+        (run_dir / d).mkdir(parents=True)
+    (run_dir / "checkpoints/step_00000002/COMMITTED").write_text("2\n")
+
+
+# ---- --overwrite ---------------------------------------------------------------------------------------
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
+    junk = tmp_path / "junk"
+    (junk / "precious").mkdir(parents=True)
+    (junk / "precious" / "thesis.tex").write_text("years of work")
+    (junk / "config.json").write_text('{"not": "moejax"}')  # a config.json alone does not make it a run
+    with pytest.raises(RunError, match=r"--overwrite refused: .*junk is not a moejax run .*config.json, precious"):
+        prepare_run_dir(junk, CFG, overwrite=True)
+    assert (junk / "precious" / "thesis.tex").read_text() == "years of work"
+    assert json.loads((junk / "config.json").read_text()) == {"not": "moejax"}
+
+
+def test_overwrite_removes_only_what_moejax_wrote(tmp_path, capsys):
+    run = tmp_path / "run"
+    _fake_run(run)
+    (run / "notes.txt").write_text("mine")
+    (run / "mine").mkdir()
+    assert prepare_run_dir(run, CFG, overwrite=True) is False
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "mine", "notes.txt"]
+    assert (run / "notes.txt").read_text() == "mine"
+    assert "--overwrite kept 2 entries moejax did not write" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert clear_run_dir(empty) == []  # empty: fine
+
+
+def test_overwrite_via_cli_touches_nothing_when_refused(tmp_path, capsys):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "thesis.tex").write_text("x")
+    assert main(["train", "--run-dir", str(junk), "--overwrite", "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--overwrite refused" in err and err.count("moejax: error:") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in junk.iterdir()) == ["thesis.tex"]  # not even the lock file is left
+
+
+# ---- the lock ------------------------------------------------------------------------------------------
+def test_second_lock_names_the_holder_and_release_frees_it(tmp_path):
+    run = tmp_path / "run"
+    first = RunLock(run).acquire()
+    assert (run / ".lock").read_text() == f"PID {os.getpid()} on host {socket.gethostname()}\n"
+    with pytest.raises(RunError, match=rf"in use by PID {os.getpid()} on host {socket.gethostname()}"):
+        RunLock(run).acquire()
+    first.release()
+    assert not run.exists()  # it created the dir and nothing else was written: nothing left
+    (run).mkdir()
+    (run / ".lock").write_text("PID 1 on host gone\n")  # stale file of a killed run: no lock held on it
+    with RunLock(run):
+        assert (run / ".lock").read_text().startswith(f"PID {os.getpid()}")
+    assert run.exists() and not (run / ".lock").exists()
+
+
+def test_a_second_trainer_exits_2_at_once_naming_the_holder(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with RunLock(run):
+        r = subprocess.run([sys.executable, "-m", "moejax.cli", "train", "--run-dir", str(run), "--steps", "1",
+                            "--no-progress", "--set", "model.n_layers=2"], capture_output=True, text=True,
+                           env={**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": ""}, timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"is in use by PID {os.getpid()} on host {socket.gethostname()}" in r.stderr
+    assert r.stderr.count("\n") == 1 and sorted(p.name for p in run.iterdir()) == []
+
+
+# ---- metrics.jsonl -------------------------------------------------------------------------------------
+def test_truncate_drops_rerun_steps_and_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(_row(s) for s in range(8)) + _row(8)[:17])  # a crash mid-write of step 8
+    truncate_metrics(tmp_path, 5)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3, 4]
+    truncate_metrics(tmp_path, 0)  # a crash before the first checkpoint: every row runs again
+    assert path.read_text() == ""
+
+
+def test_truncate_streams_and_leaves_a_clean_file_alone(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(_row(s) for s in range(5)))
+    inode = path.stat().st_ino
+    monkeypatch.setattr(type(path), "read_text", lambda *a, **k: pytest.fail("read whole"))
+    monkeypatch.setattr(type(path), "read_bytes", lambda *a, **k: pytest.fail("read whole"))
+    truncate_metrics(tmp_path, 5)  # nothing to drop: not rewritten
+    assert path.stat().st_ino == inode
+    truncate_metrics(tmp_path, 3)
+    monkeypatch.undo()
+    assert path.stat().st_ino != inode and path.read_text() == "".join(_row(s) for s in range(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left
+
+
+def test_readers_drop_a_torn_last_line_but_not_a_bad_middle_one(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(_row(0) + _row(1) + '{"step": 2, "train/lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert [r["step"] for r in load_rows(tmp_path)] == [0, 1]
+    assert main(["report", str(tmp_path)]) == 0
+    path.write_text(_row(0) + "garbage\n" + _row(2))
+    with pytest.raises(Exception, match="line 2 is not JSON"):
+        load_rows(tmp_path)
+
+
+def test_failed_report_leaves_no_report_dir(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "other": 1}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "none of the plotted metrics" in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+    (tmp_path / "metrics.jsonl").write_text(_row(0, **{"train/router/load": [[1.0, 2.0]]}))
+    with pytest.raises(Exception, match="--layer 5 is out of range"):
+        write_report(tmp_path, layer=5)
+    assert not (tmp_path / "report").exists()  # the loss plot drawn before the error is gone too
+
+
+# ---- summary.json --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content, words", [
+    (None, "no summary.json in"),
+    ("", "is empty, truncated or not a JSON object"),
+    ('{"preset": "tiny", "steps": 3, "first_lo', "is empty, truncated or not a JSON object"),
+    ('{"preset": "tiny"}', "lacks steps, first_loss"),
+])
+def test_summary_of_a_missing_or_broken_file_is_one_line(content, words, tmp_path, capsys):
+    if content is not None:
+        (tmp_path / "summary.json").write_text(content)
+    with pytest.raises(RunError, match=words):
+        read_summary(tmp_path)
+    assert main(["summary", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+# ---- resuming with other settings ----------------------------------------------------------------------
+def test_a_run_may_be_extended_but_not_shortened(tmp_path, capsys):
+    run = tmp_path / "run"
+    _fake_run(run)
+    longer = apply_overrides(preset("tiny"), ["model.n_layers=2", "train.steps=10"])
+    assert prepare_run_dir(run, longer, overwrite=False) is True
+    err = capsys.readouterr().err
+    assert "extending" in err and "from 6 to 10 steps" in err and "change from the step it resumes at (2)" in err
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 10
+    with pytest.raises(RunError, match=r"train.steps: 10 there, 4 now.*not shortened"):
+        prepare_run_dir(run, apply_overrides(preset("tiny"), ["model.n_layers=2", "train.steps=4"]), overwrite=False)
+    with pytest.raises(RunError, match=r"different run \(train.seed: 0 there, 1 now\)"):
+        prepare_run_dir(run, apply_overrides(longer, ["train.seed=1"]), overwrite=False)
+
+
+def test_a_checkpoint_with_non_finite_weights_is_unusable():
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from moejax.train.loop import unusable_state
+
+    ok = SimpleNamespace(params={"w": jnp.ones((3,)), "step": jnp.int32(4)})
+    assert unusable_state(ok, {"finite": True}) is None and unusable_state(ok, {}) is None
+    assert "non-finite" in unusable_state(SimpleNamespace(params={"w": jnp.array([1.0, jnp.inf])}), {})
+    assert "non-finite" in unusable_state(ok, {"finite": False})  # its metadata says so: not even looked at
