@@ -4,25 +4,32 @@ cross chunk boundaries, local windows that straddle them (and one wider than a c
 global layer reading every earlier chunk, SConv taps across the boundary and next-token targets across it.
 """
 
+import json
+import shutil
 from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 
-from moejax.config import ParallelConfig
+from moejax.cli import main
+from moejax.config import ConfigError, ParallelConfig, apply_overrides
 from moejax.data.loader import chunk_rows
 from moejax.model.layers import front_extend
 from moejax.model.transformer import Transformer, model_loss
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh, param_shardings
+from moejax.presets import preset
+from moejax.train.loop import RunOptions, train
 from tests.helpers import toy_batch, toy_model
 
 # CP vs no CP in fp32: the same math over the same tokens; only the order of reductions differs (the
 # per-device partial sums of weight gradients, the loss mean). Measured: loss 1e-7, grads < 1e-6 relative.
 CP_RTOL_FP32 = 2e-5
 CP_ATOL_FP32 = 2e-6
+OPTS = RunOptions(wandb="disabled", progress=False, peak_flops=1e11)
 NO_DROP_CF = 16.0  # P and R above any possible load at these shapes: EP drops nothing, so it equals dropless
 SEQ, N_SEQS = 32, 2
 # documents crossing the chunk boundaries 8/16/24 (c=4) and 16 (c=2); row 1 ends in padding
@@ -78,3 +85,68 @@ def test_halo_is_a_collective_permute_not_a_gather():
     x = jax.device_put(jnp.zeros((8, 16, 4)), batch_sharding(mesh))
     hlo = jax.jit(lambda x: front_extend(x, 3, 4, 0.0)).lower(x).compile().as_text()
     assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
+# ---- the micro context schedule: train through every phase change, CP up to 4, exact resume -------------
+MICRO_SCHEDULE = "0.25:256,0.5:1024:cf=2.0,0.75:2048"  # 128 -> 256 -> 1024 (2 sequences) -> 2048 (1 sequence)
+
+
+def micro_cfg(**parallel):
+    """2048 tokens per step over 4 batch shards: 16 x 128, 8 x 256, 2 x 1024 (CP 2), 1 x 2048 (CP 4). Adam
+    and 2 layers keep each phase's compile short; a permanent checkpoint at step 5 is the resume point."""
+    cfg = apply_overrides(preset("tiny"), ["model.n_layers=2", "model.attn_q_block=128", "train.batch_size=16",
+                                           "train.seq_len=128", "train.steps=8", "train.eval_every=0",
+                                           "train.eval_batches=1", "train.eval_batch_size=4", "train.optimizer=adam",
+                                           "train.checkpoint_every=5", f"data.context_schedule={MICRO_SCHEDULE}",
+                                           "data.prefetch=0"])
+    return replace(cfg, parallel=ParallelConfig(expert=4, **parallel))
+
+
+def test_micro_schedule_trains_through_every_phase_and_resumes_exactly(tmp_path):
+    cfg = micro_cfg()
+    assert [(ph.seq_len, ph.sequences, ph.context, ph.cf_send) for ph in cfg.phases] == [
+        (128, 16, 1, 1.15), (256, 8, 1, 1.15), (1024, 2, 2, 2.0), (2048, 1, 4, 1.15)]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(cfg, straight, OPTS)
+    rows = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    a = rows(straight)
+    assert [r["data/seq_len"] for r in a] == [128, 128, 256, 256, 1024, 1024, 2048, 2048]
+    assert [r["data/context_parallel"] for r in a] == [1, 1, 1, 1, 2, 2, 4, 4]
+    assert all(np.isfinite(r["train/loss"]) for r in a) and a[-1]["train/loss"] < a[0]["train/loss"]
+    # Resume from the step-5 checkpoint (inside the CP-2, cf=2 phase) and cross into the CP-4 phase: the
+    # same rows, bit for bit; the resumed phase keeps its capacity factors.
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000008")
+    train(cfg, resumed, OPTS)
+    b = rows(resumed)
+    assert [r["moe/cf_send"] for r in b] == [1.15] * 4 + [2.0] * 2 + [1.15] * 2
+    for key in ("train/loss", "train/grad_norm", "train/param_norm", "moe/drop_fraction", "eval/loss"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+
+
+# ---- bad input: one line naming the values, ConfigError (exit 2), nothing written --------------------------
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.context=3"], "context-parallel degree 3 does not divide the sequence length 128"),
+    (["parallel.context=8"], "context-parallel degree 8 does not divide the batch shards (replica_dcn*data*expert = 4)"),
+    (["data.context_schedule=0.75:2048:cp=2"],
+     "seq_len 2048 (from step 6): 1 sequences x context-parallel degree 2 = 2 rows is not divisible by the batch shards"),
+    (["data.context_schedule=0.5:256:cf=0"], "cf (0.0) must be > 0"),
+    (["data.context_schedule=0.5:256:cf=1:cf_send=2"], "cf_send is given twice"),
+    (["data.context_schedule=0.5:256:ep=2"], "'ep=2' is not one of cf=, cf_send=, cf_recv=, cp="),
+    (["train.batch_size=24", "data.context_schedule=0.75:768:cp=4"],
+     "seq_len 768 / context-parallel degree 4 = chunk 192 is not divisible by model.attn_q_block (128)"),
+])
+def test_bad_context_layouts_fail_with_numbers(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(micro_cfg(), overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_refuses_bad_cp_before_writing(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = ["train", "--run-dir", str(run_dir), "--preset", "tiny", "--mesh", "expert=4", "--no-progress",
+            "--set", "data.context_schedule=0.5:2048:cp=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "= 2 rows is not divisible by the batch shards" in err[0]
+    assert not run_dir.exists()

@@ -45,14 +45,19 @@ def _cmd_count(args) -> int:
 
 
 def _resolve(args):
-    cfg = preset(args.preset)
-    cfg = apply_overrides(cfg, args.set or [])
-    if args.mesh:
-        axes = {"replica_dcn": 1, "data": 1, "expert": 1, "model": 1, **parse_mesh(args.mesh)}
-        cfg = replace(cfg, parallel=replace(cfg.parallel, **axes))
+    cfg = apply_overrides(preset(args.preset), mesh_overrides(args.mesh) + (args.set or []))
     if args.steps is not None:
         cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
     return cfg
+
+
+def mesh_overrides(mesh: str | None) -> list[str]:
+    """`--mesh data=2,expert=4` as `parallel.*` overrides (omitted axes = 1), applied with the `--set` ones
+    in one step, so the layout is validated once, with the final mesh (e.g. context-parallel degrees)."""
+    if not mesh:
+        return []
+    axes = {"replica_dcn": 1, "data": 1, "expert": 1, "model": 1, **parse_mesh(mesh)}
+    return [f"parallel.{k}={v}" for k, v in axes.items()]
 
 
 def _default_mesh(cfg, args):

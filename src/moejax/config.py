@@ -197,10 +197,15 @@ class ParallelConfig:
     waves: int = 3  # W: all-to-all rounds per MoE layer; assignments are striped over them round-robin
     cf_send: float = 1.15  # sender capacity factor: pool rows per destination per wave = cf_send*A/(X*W)
     cf_recv: float = 1.15  # receiver capacity factor: rows per local expert per wave = cf_recv*A/(E_loc*W)
+    # Context parallelism: each sequence split into this many consecutive rows (chunks) over the batch
+    # shards. 0 = automatic per context phase: batch shards / sequences when a phase has fewer sequences
+    # than batch shards, else 1. A phase's `cp=` in data.context_schedule wins (RunConfig.phases).
+    context: int = 0
 
     def __post_init__(self):
         _finite_floats(self)
         _positive(self, "replica_dcn", "data", "expert", "model", "waves", "cf_send", "cf_recv")
+        _require(self.context >= 0, f"parallel.context ({self.context}) must be >= 0 (0 = automatic)")
         _require(self.model == 1, f"model axis ({self.model}) > 1 is not supported yet (tensor parallelism)")
 
     @property
@@ -247,21 +252,97 @@ def _parse_named(field_name: str, text: str, allow_bare: bool = False) -> dict[s
     return out
 
 
-def _parse_schedule(text: str) -> tuple[tuple[float, int], ...]:
-    """`0.5:8192,0.95:65536` -> ((0.5, 8192), (0.95, 65536)): from that fraction of steps, that length."""
+SCHEDULE_OPTIONS = {"cf": float, "cf_send": float, "cf_recv": float, "cp": int}
+
+
+def _parse_schedule(text: str) -> tuple[tuple[float, int, dict], ...]:
+    """`0.5:8192,0.95:65536:cf=1.5,0.99:262144:cp=4` -> ((0.5, 8192, {}), (0.95, 65536, {"cf_send": 1.5,
+    "cf_recv": 1.5}), ...): from that fraction of steps, that length, and optionally that phase's capacity
+    factors (cf = both, or cf_send / cf_recv) and context-parallel degree (cp)."""
     points = []
     for item in filter(None, (s.strip() for s in text.split(","))):
-        frac, sep, length = item.partition(":")
+        frac, sep, rest = item.partition(":")
+        length, *opts = rest.split(":")
         try:
             point = (float(frac), int(length))
         except ValueError:
-            raise ConfigError(f"data.context_schedule item {item!r} is not FRACTION:SEQ_LEN") from None
+            raise ConfigError(f"data.context_schedule item {item!r} is not FRACTION:SEQ_LEN[:cf=X][:cp=N]") from None
         _require(bool(sep) and 0.0 < point[0] < 1.0 and point[1] > 0,
                  f"data.context_schedule item {item!r}: need 0 < fraction < 1 and seq_len > 0")
         _require(not points or point[0] > points[-1][0],
                  f"data.context_schedule fractions must increase ({points[-1][0] if points else 0} then {point[0]})")
-        points.append(point)
+        points.append((*point, _parse_phase_options(item, opts)))
     return tuple(points)
+
+
+def _parse_phase_options(item: str, opts: list[str]) -> dict:
+    out: dict[str, Any] = {}
+    for opt in opts:
+        key, sep, raw = opt.partition("=")
+        _require(bool(sep) and key in SCHEDULE_OPTIONS, f"data.context_schedule item {item!r}: {opt!r} is not one "
+                                                        f"of {', '.join(k + '=' for k in SCHEDULE_OPTIONS)}")
+        try:
+            value = SCHEDULE_OPTIONS[key](raw)
+        except ValueError:
+            raise ConfigError(f"data.context_schedule item {item!r}: {key}={raw!r} is not a number") from None
+        _require(value > 0 and math.isfinite(value), f"data.context_schedule item {item!r}: {key} ({value}) must be > 0")
+        for k in (("cf_send", "cf_recv") if key == "cf" else (key,)):
+            _require(k not in out, f"data.context_schedule item {item!r}: {k} is given twice")
+            out[k] = value
+    return out
+
+
+@dataclass(frozen=True)
+class ContextPhase:
+    """One phase of the context schedule as it runs: `sequences` of `seq_len` per step, each split into
+    `context` consecutive rows of `chunk` positions (context parallelism), with its capacity factors."""
+
+    start: int  # first step
+    seq_len: int
+    sequences: int  # per step (global)
+    context: int  # context-parallel degree: rows per sequence
+    cf_send: float
+    cf_recv: float
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // self.context
+
+    @property
+    def rows(self) -> int:
+        return self.sequences * self.context
+
+
+def context_phases(train: "TrainConfig", data: "DataConfig", parallel: "ParallelConfig") -> tuple[ContextPhase, ...]:
+    """The schedule's phases, ascending, validated: tokens per step divide by every seq_len; the context degree
+    (the phase's `cp=`, else parallel.context, else automatic: batch shards / sequences when a phase has fewer
+    sequences than batch shards, 1 otherwise) divides the seq_len and the batch shards, and sequences x
+    context rows divide over the batch shards."""
+    tps, shards = train.tokens_per_step, parallel.batch_shards
+    points = {0: (train.seq_len, {})}
+    for frac, length, opts in data.schedule_spec:
+        points[round(frac * train.steps)] = (length, opts)  # a later phase on the same step wins
+    phases = []
+    for step, (length, opts) in sorted(points.items()):
+        where = f"context schedule: seq_len {length} (from step {step})"
+        _require(tps % length == 0, f"context schedule: tokens per step ({tps} = {train.seq_len} x "
+                                    f"{train.batch_size}) is not divisible by seq_len {length} (from step {step})")
+        n = tps // length
+        c = opts.get("cp") or parallel.context
+        if not c:  # automatic: only when the phase has fewer sequences than batch shards
+            c = 1 if n >= shards else shards // n
+        _require(length % c == 0, f"{where}: context-parallel degree {c} does not divide the sequence length {length}")
+        _require(shards % c == 0, f"{where}: context-parallel degree {c} does not divide the batch shards "
+                                  f"(replica_dcn*data*expert = {shards})")
+        if step == 0 and c == 1:
+            _require(n % shards == 0, f"batch_size ({n}) is not divisible by the batch shards "
+                                      f"(replica_dcn*data*expert = {shards})")
+        _require((n * c) % shards == 0, f"{where}: {n} sequences x context-parallel degree {c} = {n * c} rows "
+                                        f"is not divisible by the batch shards (replica_dcn*data*expert = {shards}); "
+                                        f"set cp=N on the phase or parallel.context")
+        phases.append(ContextPhase(step, length, n, c, opts.get("cf_send", parallel.cf_send),
+                                   opts.get("cf_recv", parallel.cf_recv)))
+    return tuple(phases)
 
 
 @dataclass(frozen=True)
@@ -275,7 +356,9 @@ class DataConfig:
     cooldown_start: float = 0.8  # fraction of train.steps where cooldown_weights take over (SPEC §5: ~80%)
     max_epochs: str = ""  # "4" (every source) or "code=4,web=1"; a source leaves the mixture at its cap
     heldout_fraction: float = 0.02  # last fraction of each source's documents: eval only, never trained on
-    context_schedule: str = ""  # "0.5:8192,0.95:65536": seq_len from that fraction on, tokens/step fixed
+    # "0.5:8192,0.95:65536:cf=1.5,0.99:262144:cp=4": seq_len from that fraction on, tokens/step fixed; a
+    # phase may set its capacity factors (cf = both, cf_send, cf_recv) and context-parallel degree (cp)
+    context_schedule: str = ""
     prefetch: int = 2  # batches computed ahead by a background thread; 0 = synchronous
 
     def __post_init__(self):
@@ -300,6 +383,11 @@ class DataConfig:
 
     @property
     def schedule_points(self) -> tuple[tuple[float, int], ...]:
+        return tuple((frac, length) for frac, length, _ in self.schedule_spec)
+
+    @property
+    def schedule_spec(self) -> tuple[tuple[float, int, dict], ...]:
+        """(fraction, seq_len, {cf_send, cf_recv, cp: the phase's overrides})."""
         return _parse_schedule(self.context_schedule)
 
 
@@ -347,9 +435,10 @@ class RunConfig:
                  f"seq_len ({t.seq_len}) is not divisible by model.attn_q_block ({m.attn_q_block})")
         _require(m.n_experts % p.expert == 0,
                  f"n_experts ({m.n_experts}) is not divisible by the expert axis ({p.expert})")
-        _require(t.batch_size % p.batch_shards == 0,
-                 f"batch_size ({t.batch_size}) is not divisible by the batch shards "
-                 f"(replica_dcn*data*expert = {p.batch_shards})")
+        for ph in self.phases:  # batch over the shards at every context phase, with its CP degree
+            _require(not m.attn_q_block or ph.chunk <= m.attn_q_block or ph.chunk % m.attn_q_block == 0,
+                     f"context schedule: seq_len {ph.seq_len} / context-parallel degree {ph.context} = chunk "
+                     f"{ph.chunk} is not divisible by model.attn_q_block ({m.attn_q_block})")
         _require(t.eval_rows % p.batch_shards == 0,
                  f"eval_batch_size ({t.eval_rows}) is not divisible by the batch shards "
                  f"(replica_dcn*data*expert = {p.batch_shards})")
@@ -359,6 +448,10 @@ class RunConfig:
         if p.use_ep and m.compute_dtype == "bfloat16":
             _require(e_loc + 1 <= 256, f"local experts per device ({e_loc}) + 1 exceeds 256, the largest "
                                        "integer bf16 holds exactly in the transport header")
+
+    @property
+    def phases(self) -> tuple[ContextPhase, ...]:
+        return context_phases(self.train, self.data, self.parallel)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "model": dataclasses.asdict(self.model),

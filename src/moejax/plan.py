@@ -11,6 +11,9 @@ Every number is derived from the preset and the cluster table below, with its fo
 - activations with per-block remat (an estimate, stated term by term): the L block inputs kept for the
   backward + one block's working set while it is recomputed (attention as implemented: dense fp32
   scores [B, H, S, S] per device; MoE transport buffers; expert hidden) + the LM-head logits;
+- per context phase (`RunConfig.phases`): sequences per step, context-parallel degree, the phase's
+  capacity factors, and the attention / activation / HBM numbers above at that phase's layout (a global
+  layer's keys are the whole sequence; with CP the earlier chunks' K/V per query head are counted);
 - transport sizes from `expert_parallel.transport_sizes` (P, R, header rows, bytes per wave);
 - step time = 3 x fwd FLOPs/token x tokens/step / (devices x peak x MFU); the default MFU 0.225 is
   the run's reported ~22.5%.
@@ -131,14 +134,21 @@ def transport_numbers(cfg: RunConfig, tokens_per_device: int) -> dict | None:
             "waves": p.waves}
 
 
-def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None) -> dict:
+def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, seq_len: int | None = None,
+                       context: int = 1) -> dict:
+    """Per-device activations at one context phase (default: train.seq_len without context parallelism)."""
     m, t = cfg.model, cfg.train
+    seq = seq_len or t.seq_len
     T, d, dt = tokens_per_device, m.d_model, (2 if m.compute_dtype == "bfloat16" else 4)
-    seqs = max(1, T // t.seq_len)
+    chunk = seq // context
+    rows = max(1, T // chunk)  # rows (chunks of a sequence with context parallelism) per device
     kept = m.n_layers * T * d * dt  # block inputs saved for the backward (per-block remat)
     qkvo = T * (2 * m.q_dim + 2 * m.kv_dim) * dt
-    q_rows = m.attn_q_block if m.attn_q_block and m.attn_q_block < t.seq_len else t.seq_len
-    attn = seqs * m.n_heads * q_rows * t.seq_len * (4 + dt) + qkvo  # live scores + probs of one query block
+    q_rows = m.attn_q_block if m.attn_q_block and m.attn_q_block < chunk else chunk
+    # A global layer reads every earlier position of the sequence: the chunk's own S/c keys plus, with CP,
+    # the (c-1) earlier chunks moved in (front_extend), K and V per query head.
+    kv_ext = rows * (seq - chunk) * 2 * m.q_dim * dt
+    attn = rows * m.n_heads * q_rows * seq * (4 + dt) + qkvo + kv_ext  # live scores + probs of one query block
     if tr:
         moe = (2 * tr["waves"] * tr["bytes_per_wave"]  # dispatched rows (kept) + received rows
                + tr["expert_rows_per_wave"] * (m.latent_width + 3 * m.expert_width) * dt  # one wave's expert MLP
@@ -150,9 +160,29 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None) 
     vocab = m.loss_vocab_block or m.vocab_size
     head = T * vocab * 4
     return {"tokens_per_device": T, "lm_head_vocab": vocab, "lm_head_streamed": bool(m.loss_vocab_block),
-            "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo, "moe_bytes": moe,
+            "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo,
+            "attention_kv_context_bytes": kv_ext, "moe_bytes": moe,
             "shared_bytes": shared, "router_bytes": router, "lm_head_logits_bytes": head,
             "activations_bytes": kept + attn + moe + shared + router + head}
+
+
+def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per_device: int) -> list[dict]:
+    """Per context phase (SPEC §5): sequences per step, context-parallel degree, rows and chunk length, the
+    phase's capacity factors, attention and activation HBM per device, and whether it fits. `fixed_hbm`:
+    weights + grads (+ optimizer state when on device), the same in every phase."""
+    from dataclasses import replace
+
+    out = []
+    for ph in cfg.phases:
+        pc = replace(cfg, parallel=replace(cfg.parallel, cf_send=ph.cf_send, cf_recv=ph.cf_recv))
+        act = activation_numbers(cfg, tokens_per_device, transport_numbers(pc, tokens_per_device), ph.seq_len,
+                                 ph.context)
+        hbm = fixed_hbm + act["activations_bytes"]
+        out.append({"from_step": ph.start, "seq_len": ph.seq_len, "sequences": ph.sequences, "context": ph.context,
+                    "rows": ph.rows, "chunk": ph.chunk, "cf_send": ph.cf_send, "cf_recv": ph.cf_recv,
+                    "attention_bytes": act["attention_bytes"], "activations_bytes": act["activations_bytes"],
+                    "hbm_needed": hbm, "fits_hbm": hbm <= cluster.hbm_bytes})
+    return out
 
 
 def plan(cfg: RunConfig, cluster: Cluster, mfu: float = DEFAULT_MFU) -> dict:
@@ -172,6 +202,7 @@ def plan(cfg: RunConfig, cluster: Cluster, mfu: float = DEFAULT_MFU) -> dict:
     # [T, STREAM_BLOCK] fp32 logits.
     lean = (hbm - act["attention_bytes"] + act["attention_qkvo_bytes"] - act["lm_head_logits_bytes"]
             + T * min(STREAM_BLOCK, m.vocab_size) * 4)
+    phases = phase_numbers(cfg, cluster, hbm - act["activations_bytes"], T)
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
     step_flops = 3.0 * fwd * t.tokens_per_step
     step_time = step_flops / (p.n_devices * cluster.peak_flops * mfu)
@@ -179,7 +210,7 @@ def plan(cfg: RunConfig, cluster: Cluster, mfu: float = DEFAULT_MFU) -> dict:
             "mesh": dict(zip(MESH_AXES, p.mesh_shape)), "devices": p.n_devices,
             "cluster_devices": cluster.n_devices, "hbm_per_device": cluster.hbm_bytes,
             "host_per_device": cluster.host_bytes_per_device, "opt_state_memory": t.opt_state_memory,
-            **mem, **act, "transport": tr, "hbm_needed": hbm, "hbm_needed_lean": lean, "host_needed": host,
+            **mem, **act, "transport": tr, "phases": phases, "hbm_needed": hbm, "hbm_needed_lean": lean, "host_needed": host,
             "fits_hbm": hbm <= cluster.hbm_bytes, "fits_host": host <= cluster.host_bytes_per_device,
             "total_params": accounting.total_params(m), "active_params": accounting.active_params(m),
             "fwd_flops_per_token": fwd, "flops_per_step": step_flops, "mfu": mfu, "step_time_s": step_time,
@@ -237,6 +268,16 @@ def format_plan(r: dict) -> str:
                   f"latent width ({g(tr['bytes_per_wave_full_width'])} at full width d)",
                   f"  per layer fwd 2 x W x wave = {g(tr['bytes_per_layer_fwd'])}; per step (fwd + remat + bwd) "
                   f"3 x L x layer = {g(tr['bytes_per_step'])}"]
+    lines += ["context phases (tokens per step fixed; per device: attention working set, all activations, HBM)",
+              f"  {'from step':>10} {'seq_len':>8} {'seqs':>6} {'CP':>3} {'rows':>6} {'chunk':>7} {'cf s/r':>10} "
+              f"{'attention':>11} {'activations':>12} {'HBM':>10}  fits"]
+    for ph in r["phases"]:
+        lines.append(f"  {ph['from_step']:>10,} {ph['seq_len']:>8,} {ph['sequences']:>6,} {ph['context']:>3} "
+                     f"{ph['rows']:>6,} {ph['chunk']:>7,} {ph['cf_send']:>4.2f}/{ph['cf_recv']:<4.2f} "
+                     f"{g(ph['attention_bytes']):>11} {g(ph['activations_bytes']):>12} {g(ph['hbm_needed']):>10}  "
+                     f"{'yes' if ph['fits_hbm'] else 'NO'}")
+    lines += ["  CP = context-parallel degree: each sequence is CP consecutive rows (chunks) on consecutive batch "
+              "shards; global layers read the (CP-1) earlier chunks, local layers a window-1 halo"]
     lines += ["pinned host (fp32 master + optimizer state)" if r["opt_state_memory"] == "pinned_host"
               else "fp32 master + optimizer state (device memory: counted in HBM above)",
               f"  {'fp32 master':<40}{g(r['master_fp32_bytes']):>14}  4 B x params per device",

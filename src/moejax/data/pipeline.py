@@ -21,7 +21,7 @@ import numpy as np
 
 from moejax.config import ConfigError, RunConfig
 from moejax.data.corpus import bible_documents
-from moejax.data.loader import MixtureLoader
+from moejax.data.loader import MixtureLoader, chunk_rows
 from moejax.data.mixture import Span, build_plan, integer_weights
 from moejax.data.prepare import prepare
 from moejax.data.schedule import ContextSchedule
@@ -69,9 +69,24 @@ class Prefetcher:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+@dataclass(frozen=True)
+class ChunkedLoader:
+    """The train loader with context parallelism: each step's rows cut into the phase's `context` chunks
+    (`chunk_rows`) after packing, so segment ids, positions and targets are the whole sequence's."""
+
+    loader: MixtureLoader
+    schedule: ContextSchedule
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        return chunk_rows(self.loader.batch(step), self.schedule.phase_at(step).context)
+
+    def __getattr__(self, name):  # seq_len_at, batch_size_at, span_at, split ... of the wrapped loader
+        return getattr(self.loader, name)
+
+
 @dataclass
 class DataBundle:
-    train: object  # MixtureLoader or Prefetcher: .batch(step), .seq_len_at(step), .batch_size_at(step)
+    train: object  # ChunkedLoader or a Prefetcher of it: .batch(step), .seq_len_at(step), .batch_size_at(step)
     eval: MixtureLoader
     bytes_per_token: np.ndarray  # int32 [model.vocab_size] (ids past the tokenizer's vocab count 0)
     vocab_size: int  # the tokenizer's
@@ -111,7 +126,7 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
     names = list(store.sources)
     sources = tuple(store.sources[n] for n in names)
     cuts = [s.heldout_cut(d.heldout_fraction) for s in sources]
-    schedule = ContextSchedule.from_config(t, d, process_count)
+    schedule = ContextSchedule.from_config(t, d, process_count, run_cfg.parallel)
     phases = _phases(d, t.steps, names, [c - 1 for c in cuts])
     caps = {names.index(n): c for n, c in _caps(d, names).items()}
     used = sorted({k for _, w in phases for k in w})
@@ -136,6 +151,7 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
     bpt[:store.vocab_size] = store.bytes_per_token
     info = {"mixture": _describe_plan(spans, names, n_windows), "heldout_fraction": d.heldout_fraction,
             "process_index": process_index, "process_count": process_count, "prefetch": d.prefetch}
+    train = ChunkedLoader(train, schedule)
     return DataBundle(Prefetcher(train, d.prefetch) if d.prefetch else train, evals, bpt, store.vocab_size,
                       schedule, store, info)
 

@@ -8,33 +8,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moejax.config import ConfigError, DataConfig, TrainConfig
+from moejax.config import ConfigError, ContextPhase, DataConfig, ParallelConfig, TrainConfig, context_phases
+
 
 @dataclass(frozen=True)
 class ContextSchedule:
     tokens_per_step: int
     boundaries: tuple[tuple[int, int, int], ...]  # (first step, seq_len, sequences per step), ascending
+    phases: tuple[ContextPhase, ...] = ()  # the same steps with context-parallel degree and capacity factors
 
     @staticmethod
-    def from_config(train: TrainConfig, data: DataConfig, process_count: int = 1) -> "ContextSchedule":
-        tps = train.tokens_per_step
-        points = {0: train.seq_len}
-        for frac, length in data.schedule_points:
-            points[round(frac * train.steps)] = length  # a later phase on the same step wins
-        bounds = []
-        for step, length in sorted(points.items()):
-            if tps % length:
-                raise ConfigError(f"context schedule: tokens per step ({tps} = {train.seq_len} x {train.batch_size}) "
-                                  f"is not divisible by seq_len {length} (from step {step})")
-            bsz = tps // length
-            if bsz % process_count:
-                raise ConfigError(f"context schedule: {bsz} sequences per step at seq_len {length} (from step {step}) "
-                                  f"is not divisible by the process count ({process_count})")
-            bounds.append((step, length, bsz))
-        return ContextSchedule(tps, tuple(bounds))
+    def from_config(train: TrainConfig, data: DataConfig, process_count: int = 1,
+                    parallel: ParallelConfig | None = None) -> "ContextSchedule":
+        """`parallel` resolves each phase's context-parallel degree and capacity factors (None: a 1-device mesh)."""
+        phases = context_phases(train, data, parallel or ParallelConfig())
+        for ph in phases:
+            if ph.sequences % process_count:
+                raise ConfigError(f"context schedule: {ph.sequences} sequences per step at seq_len {ph.seq_len} "
+                                  f"(from step {ph.start}) is not divisible by the process count ({process_count})")
+        return ContextSchedule(train.tokens_per_step, tuple((ph.start, ph.seq_len, ph.sequences) for ph in phases),
+                               phases)
 
     def _at(self, step: int) -> tuple[int, int, int]:
         return max((b for b in self.boundaries if b[0] <= step), key=lambda b: b[0])
+
+    def phase_at(self, step: int) -> ContextPhase:
+        return max((ph for ph in self.phases if ph.start <= step), key=lambda ph: ph.start)
 
     def seq_len_at(self, step: int) -> int:
         return self._at(step)[1]
@@ -43,4 +42,5 @@ class ContextSchedule:
         return self._at(step)[2]
 
     def describe(self) -> list[dict]:
-        return [{"from_step": s, "seq_len": l, "batch_size": b} for s, l, b in self.boundaries]
+        return [{"from_step": ph.start, "seq_len": ph.seq_len, "batch_size": ph.sequences, "context": ph.context,
+                 "rows": ph.rows, "cf_send": ph.cf_send, "cf_recv": ph.cf_recv} for ph in self.phases]

@@ -3,7 +3,8 @@
   moejax ladder plan [--json]                          rungs d768…d2048 + hero, every number with its formula
   moejax ladder run --scale cpu --out DIR [--widths 32,48] [--steps N]   the CPU micro-ladder (resumable)
   moejax ladder fit DIR [--target-flops X] [--json]    L(C) = E + A*C^-alpha, projection, anomalies, PNG plots
-  moejax plan PRESET [--cluster C] [--mfu 0.225] [--json] [--lower]   devices, memory, transport, time
+  moejax plan PRESET [--cluster C] [--mfu 0.225] [--json] [--lower [--phase SEQ_LEN]] [--mesh M] [--set K=V ...]
+                                                       devices, memory, transport, time, per context phase
 """
 
 from __future__ import annotations
@@ -83,12 +84,12 @@ def _cmd_plan(args) -> int:
 
     if args.cluster not in CLUSTERS:
         raise ConfigError(f"unknown --cluster {args.cluster!r} (known: {', '.join(CLUSTERS)})")
-    cfg = preset(args.preset)
+    cfg = plan_config(preset(args.preset), args.set or [], args.mesh)
     r = plan(cfg, CLUSTERS[args.cluster], args.mfu)
     if args.lower:
         from moejax.ladder.lower import lower_in_subprocess
 
-        r["lower"] = lower_in_subprocess(args.preset)
+        r["lower"] = lower_in_subprocess(cfg, args.phase)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -98,6 +99,14 @@ def _cmd_plan(args) -> int:
 
             print(format_lower(r["lower"]))
     return 0 if r["fits_hbm"] and r["fits_host"] else EXIT_DOES_NOT_FIT
+
+
+def plan_config(cfg, overrides: list[str], mesh: str | None):
+    """The preset with `train`'s `--mesh` (omitted axes = 1) and `--set` applied, validated once."""
+    from moejax.cli import mesh_overrides
+    from moejax.config import apply_overrides
+
+    return apply_overrides(cfg, mesh_overrides(mesh) + overrides)
 
 
 def register(sub) -> None:
@@ -133,4 +142,8 @@ def register(sub) -> None:
     pl.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation for the step time")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--lower", action="store_true", help="lower (no compile, no run) the train step on the mesh")
+    pl.add_argument("--phase", type=int, metavar="SEQ_LEN",
+                    help="with --lower: the context phase to lower (its seq_len; default: the longest)")
+    pl.add_argument("--mesh", help="e.g. replica_dcn=1,data=2,expert=4,model=1 (omitted axes = 1), as for train")
+    pl.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeatable)")
     pl.set_defaults(fn=_cmd_plan)

@@ -23,8 +23,9 @@ import sys
 import time
 
 
-def abstract_train_inputs(cfg, mesh):
-    """(abstract state, abstract batch, state shardings, batch sharding, optimizer, lr_fn)."""
+def abstract_train_inputs(cfg, mesh, phase=None):
+    """(abstract state, abstract batch, state shardings, batch sharding, optimizer, lr_fn); the batch of
+    `phase` (a ContextPhase: rows x chunk) or of train.seq_len."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -46,16 +47,19 @@ def abstract_train_inputs(cfg, mesh):
                        rng=sds(key_data, rep))
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     bsh = NamedSharding(mesh, BATCH_SPEC)
-    shape = (t.batch_size, t.seq_len)
+    shape = (phase.rows, phase.chunk) if phase is not None else (t.batch_size, t.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh)
              for k in ("tokens", "targets", "segment_ids", "positions")}
     batch["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=bsh)
     return state, batch, state_sh, bsh, optimizer, lr_fn
 
 
-def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None) -> dict:
+def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None, phase=None) -> dict:
     """Lower cfg's train step on an AbstractMesh of cfg.parallel's shape (or on `mesh`, a concrete Mesh
-    of this process's devices, lowered for them); returns timing and counts."""
+    of this process's devices, lowered for them); returns timing and counts. `phase` (a ContextPhase of
+    cfg.phases): that phase's batch layout, context-parallel degree and capacity factors."""
+    import dataclasses
+
     import jax
 
     from moejax.parallel.mesh import abstract_mesh
@@ -65,8 +69,11 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None)
     t0 = time.perf_counter()
     concrete = mesh is not None
     mesh = mesh if concrete else abstract_mesh(cfg.parallel)
-    state, batch, state_sh, bsh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh)
-    step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(cfg.parallel, mesh), remat=remat)
+    state, batch, state_sh, bsh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh, phase)
+    par = cfg.parallel if phase is None else dataclasses.replace(cfg.parallel, cf_send=phase.cf_send,
+                                                                  cf_recv=phase.cf_recv)
+    step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(par, mesh), remat=remat,
+                           context=1 if phase is None else phase.context)
     fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))
     t1 = time.perf_counter()
     # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs).
@@ -76,6 +83,9 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None)
     return {"ok": True, "preset": cfg.name, "platform": "local devices" if concrete else platform, "mesh": dict(mesh.shape), "devices": mesh.size,
             "abstract_s": t1 - t0, "lower_s": t2 - t1, "hlo_chars": len(text),
             "num_partitions": _num_partitions(text), "all_to_all": text.count("stablehlo.all_to_all"),
+            "seq_len": cfg.train.seq_len if phase is None else phase.seq_len,
+            "context": 1 if phase is None else phase.context,
+            "batch": list(batch["tokens"].shape),
             # W waves x (dispatch, return) x (forward, backward transposes, + the remat re-forward)
             "expected_all_to_all": cfg.parallel.waves * 2 * 2 if cfg.parallel.use_ep else 0}
 
@@ -88,11 +98,15 @@ def _num_partitions(text: str) -> int:
 
 
 def _main(argv: list[str]) -> None:
-    from moejax.presets import preset
+    from moejax.config import RunConfig
 
-    cfg = preset(argv[0])
+    cfg = RunConfig.from_dict(json.loads(argv[0]))
+    seq_len = int(argv[1]) if len(argv) > 1 else 0
     try:
-        res = lower_train_step(cfg)
+        phases = {ph.seq_len: ph for ph in cfg.phases}
+        if seq_len and seq_len not in phases:
+            raise ValueError(f"--phase {seq_len} is not a context phase of {cfg.name} ({', '.join(map(str, phases))})")
+        res = lower_train_step(cfg, phase=phases[seq_len or max(phases)])
     except Exception as e:  # reported to the parent, which prints it as one line
         res = {"ok": False, "preset": cfg.name, "error": f"{type(e).__name__}: {e}"[:2000]}
     import resource
@@ -101,24 +115,27 @@ def _main(argv: list[str]) -> None:
     print("LOWER_RESULT " + json.dumps(res))
 
 
-def lower_in_subprocess(preset_name: str, timeout_s: float = 900) -> dict:
+def lower_in_subprocess(cfg, seq_len: int | None = None, timeout_s: float = 900) -> dict:
+    """Lower `cfg`'s step at the context phase of `seq_len` (default: the longest) in a fresh interpreter."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moejax.ladder.lower", preset_name], capture_output=True,
-                          text=True, env=env, timeout=timeout_s)
+    proc = subprocess.run([sys.executable, "-m", "moejax.ladder.lower", cfg.to_json(), str(seq_len or 0)],
+                          capture_output=True, text=True, env=env, timeout=timeout_s)
     wall = time.perf_counter() - t0
     for line in proc.stdout.splitlines():
         if line.startswith("LOWER_RESULT "):
             return {**json.loads(line[len("LOWER_RESULT "):]), "wall_s": wall}
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"ok": False, "preset": preset_name, "error": f"exit {proc.returncode}: {tail[0]}", "wall_s": wall}
+    return {"ok": False, "preset": cfg.name, "error": f"exit {proc.returncode}: {tail[0]}", "wall_s": wall}
 
 
 def format_lower(r: dict) -> str:
     if not r["ok"]:
         return f"lower: FAILED for {r['preset']}: {r['error']}"
     mesh = ", ".join(f"{k}={v}" for k, v in r["mesh"].items())
-    return (f"lower: whole train step of {r['preset']} lowered on an abstract mesh ({mesh}) = {r['devices']} devices "
+    return (f"lower: whole train step of {r['preset']} at seq_len {r['seq_len']:,} (context-parallel degree "
+            f"{r['context']}, batch {r['batch'][0]:,} x {r['batch'][1]:,}) "
+            f"lowered on an abstract mesh ({mesh}) = {r['devices']} devices "
             f"in {r['lower_s']:.1f} s (+{r['abstract_s']:.1f} s abstract state; {r['wall_s']:.1f} s wall incl. "
             f"interpreter start; peak RSS {r['max_rss_gb']:.2f} GB); {r['all_to_all']} all_to_all in the lowered "
             f"text ({r['expected_all_to_all']} expected = W waves x dispatch/return x forward/backward of the "

@@ -15,6 +15,7 @@ exits 75 at once, a signal after the first step finishes the step and saves firs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -139,7 +140,7 @@ class _Session:
     """Everything the step loop needs, built once per (re)start."""
 
     state: TrainState
-    step_fn: Callable
+    step_fn: Callable  # ContextPhase -> the jitted train step of that phase (built on first use)
     eval_fns: dict[str, Callable]
     to_global: Callable  # this process's numpy rows -> a global array sharded over the batch axes
     ckpt: CheckpointManager
@@ -174,9 +175,18 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     routed = moe_backend(cfg.parallel, mesh)
     batch_sh = batch_sharding(mesh)
-    step_fn = jax.jit(make_train_step(m, optimizer, lr_fns, routed, remat=opts.remat or t.remat, offload=offload),
-                      donate_argnums=0, in_shardings=(state_sh, batch_sh),
-                      out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
+
+    @functools.cache
+    def phase_step(context: int, cf_send: float, cf_recv: float):
+        """One jitted step per (context-parallel degree, capacity factors) of the context schedule: the
+        transport's static buffer sizes and the chunk layout are baked into the compiled step."""
+        par = dataclasses.replace(cfg.parallel, cf_send=cf_send, cf_recv=cf_recv)
+        fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=opts.remat or t.remat,
+                             offload=offload, context=context)
+        return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
+                       out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
+
+    step_fn = lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
         eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, routed_local_with_stats))
@@ -219,7 +229,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         with guard.deferred():  # from the first step on, a signal finishes the step and saves
             for step in range(start, t.steps):
                 t0 = time.perf_counter()
-                s.state, metrics = s.step_fn(s.state, s.to_global(data.train.batch(step)))
+                phase = data.schedule.phase_at(step)
+                s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
                 metrics = jax.device_get(metrics)
                 load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
                 metrics = {k: to_py(v) for k, v in metrics.items()}
@@ -229,6 +240,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                 log.check(step, metrics, load_LE)
                 s.ckpt.poll()  # a background save that failed (e.g. disk full) stops the run now
                 metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
+                metrics.update({"data/context_parallel": phase.context, "moe/cf_send": phase.cf_send,
+                                "moe/cf_recv": phase.cf_recv})
                 last = step + 1 == t.steps
                 if last or (t.eval_every and (step + 1) % t.eval_every == 0):
                     metrics.update(_eval_metrics(s, data, t.eval_batches))

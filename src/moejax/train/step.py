@@ -88,7 +88,9 @@ def qb_hook(cfg: ModelConfig):
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fns: dict[str, Callable],
-                    routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None):
+                    routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None,
+                    context: int = 1):
+    """`context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`)."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
 
     def train_step(state: TrainState, batch: dict):
@@ -96,7 +98,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
         # The router bias in it is the QB bias computed at the previous step.
         fwd_params = jax.tree.map(lambda c: c.astype(jnp.float32), state.compute)
-        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat)
+        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
 
         master, opt_state = state.params, state.opt_state
