@@ -88,3 +88,34 @@ def test_lower_ep_step_on_8_real_devices():
     r = lower_train_step(cfg, mesh=make_mesh(cfg.parallel, jax.devices()))
     assert r["ok"] and r["num_partitions"] == 8
     assert r["all_to_all"] == 12  # W=3 waves x (dispatch, return) x (forward, backward): remat reruns none
+
+
+def test_hero_context_phases(hero_plan):
+    """SPEC §5 at fixed tokens per step: the 262K phase has 176 sequences for 704 batch shards, so it runs
+    with context-parallel degree 4 (704 rows of 65,536); every phase is reported with its HBM."""
+    got = [(p["seq_len"], p["sequences"], p["context"], p["rows"], p["chunk"]) for p in hero_plan["phases"]]
+    assert got == [(4096, 11_264, 1, 11_264, 4096), (8192, 5632, 1, 5632, 8192), (65_536, 704, 1, 704, 65_536),
+                   (262_144, 176, 4, 704, 65_536)]
+    first, last = hero_plan["phases"][0], hero_plan["phases"][-1]
+    assert first["hbm_needed"] == hero_plan["hbm_needed"]
+    # the 262K phase's global layers read 3 earlier chunks: K and V per query head, 3 x 65,536 x 2 x 6144 x 2 B
+    assert last["attention_bytes"] - first["attention_bytes"] > 3 * 65_536 * 2 * 6144 * 2
+    assert all(p["fits_hbm"] for p in hero_plan["phases"])
+
+
+def test_plan_takes_set_and_mesh(capsys):
+    """`plan` takes train's --mesh and --set: a rung on one H200 is planned (and does not fit), not refused."""
+    code = main(["plan", "d1024", "--cluster", "h200x1", "--mesh", "expert=1",
+                 "--set", "data.context_schedule=0.5:8192:cf=1.5"])
+    out = capsys.readouterr().out
+    assert code in (0, 1) and "context phases" in out and "1.50/1.50" in out
+    assert main(["plan", "tiny", "--set", "parallel.context=3"]) == 2
+
+
+def test_lower_hero_262k_phase_on_704_device_abstract_mesh():
+    """The 262K phase's step (704 rows of 65,536, CP 4) lowered on the abstract 704-device mesh."""
+    from moejax.ladder.lower import lower_train_step
+
+    r = lower_train_step(HERO, phase=HERO.phases[-1])
+    assert r["ok"] and r["num_partitions"] == 704 and r["context"] == 4 and r["batch"] == [704, 65_536]
+    assert r["all_to_all"] == r["expected_all_to_all"]
