@@ -279,6 +279,7 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
             if restored is not None:
                 return restored[0]
         if init_from is not None:
+            init_from = Path(init_from)
             if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
                 params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
             else:
