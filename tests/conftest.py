@@ -1,12 +1,21 @@
 """Test setup: force 8 CPU host devices *before* jax is imported, so expert-parallel code really runs."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# One persistent compilation cache per test session, inherited by the CLI subprocesses: the many tiny runs
+# that compile the same step (resume, init-from, fault injection) compile it once. Per session, so a test
+# never reads a stale entry from another checkout, and the user's ~/.cache is left alone.
+_CACHE = tempfile.mkdtemp(prefix="moejax-test-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import generate as generate_mod
 from moejax.cli import main
 from moejax.model.decode import generate_tokens, init_cache, sample_next
 from moejax.model.transformer import Transformer, forward, lm_logits
@@ -110,11 +109,6 @@ def test_sample_next_stays_in_the_nucleus_and_valid_vocab():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     return tiny_run_dir(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _no_disk_compile_cache(monkeypatch):
-    monkeypatch.setattr(generate_mod, "_enable_compile_cache", lambda: None)  # in-process: leave jax config alone
 
 
 def test_cli_generates_after_training(run_dir, capsys):

@@ -58,18 +58,10 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-def _enable_compile_cache() -> None:
-    import jax
-
-    from moejax.data.tokenizer import cache_dir
-
-    if not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
-
-
 def generate(run_dir: str | Path, prompt: str, *, step: int | None = None, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int = 0, out: TextIO | None = None) -> dict:
     """Stream the continuation to `out` (default stdout); returns token counts and timings (seconds)."""
+    from moejax.compile_cache import enable_compile_cache
     from moejax.data.pipeline import run_tokenizer
     from moejax.model.decode import generate_tokens
     from moejax.weights import choose_checkpoints, load_run, run_config
@@ -81,7 +73,7 @@ def generate(run_dir: str | Path, prompt: str, *, step: int | None = None, max_n
     choose_checkpoints(Path(run_dir), step)  # no checkpoint: fail before building the tokenizer
     tokenizer = run_tokenizer(cfg)
     ids = encode_prompt(tokenizer, prompt)
-    _enable_compile_cache()
+    enable_compile_cache()
     loaded = load_run(run_dir, step, "compute")
     t_loaded = time.perf_counter()
     stream, n_new, t_first = TextStream(tokenizer), 0, None

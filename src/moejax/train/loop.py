@@ -31,6 +31,7 @@ from tqdm import tqdm
 from moejax import accounting, faults
 from moejax.checkpoint import (EXIT_PREEMPTED, MARKER, METADATA, STATE, CheckpointError, CheckpointManager,
                                PreemptionGuard, PreemptionSignal, check_compatible, list_checkpoints, restore)
+from moejax.compile_cache import enable_compile_cache
 from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import init_params_from_export, is_export
@@ -82,6 +83,7 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
 
 
 def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGuard) -> dict:
+    enable_compile_cache()  # a restart loads the compiled step instead of compiling it again
     mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
     moe_backend(cfg.parallel, mesh)  # before any data work
     init_from = resolve_init_from(opts.init_from, dataclasses.asdict(cfg.model)) if opts.init_from else None
@@ -290,6 +292,7 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
             if restored is not None:
                 return restored[0]
         if init_from is not None:
+            init_from = Path(init_from)
             if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
                 params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
             else:
