@@ -23,6 +23,7 @@ is part of what is measured, not hidden: the JSON carries the cross-entropy of e
 
 Usage: python bench/bench_drops_context.py [--steps 300] [--contexts 256,512,2048,8192]
        [--cfs 1.0,1.15,1.25,1.5,2.0] [--tokens 65536] [--batches 1] [--qb-refresh] [--run-dir DIR] [--out DIR]
+       python bench/bench_drops_context.py --replot runs/drops_context/drops_context.json --out DIR
 """
 
 from __future__ import annotations
