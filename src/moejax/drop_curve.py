@@ -10,7 +10,8 @@ through the EP transport at a given capacity factor, reading the DropStats the t
 Dimensions as in the package legend: L layers, E experts, B sequences, S positions.
 
 Notable choices:
-- The forward is the eval step's (`model_loss` on the compute copy, no remat); counts are the
+- The forward is the eval step's (`model_loss`, no remat) on whatever weights it is given (the bench
+  passes the fp32 upcast of the compute copy, as the train step's forward reads it); counts are the
   transport's own psum'd DropStats, summed over layers, so fractions equal `moe/drop_fraction` and its
   sender / receiver split as training logs them (tests/test_drop_curve.py ties the two).
 - Each call also returns the QB bias this batch implies (the training step's `qb_hook`), so a caller can
@@ -78,7 +79,8 @@ def documents_per_shard(segment_ids: np.ndarray, n_shards: int) -> np.ndarray:
 def make_drop_measure(cfg: ModelConfig, mesh: Mesh, *, cf_send: float, cf_recv: float, waves: int = 3):
     """jit of (params, batch) -> (per-layer DropStats counts, CE, next QB bias [L, E]) on the EP transport.
 
-    `params` is a compute copy (as `weights.load_run` returns it); `batch` the loader's numpy dict.
+    `params`: model weights (e.g. `weights.load_run`'s compute copy, or its fp32 upcast); `batch`: the
+    loader's numpy dict.
     """
     routed = partial(routed_expert_parallel, mesh=mesh, waves=waves, cf_send=cf_send, cf_recv=cf_recv)
     hook = qb_hook(cfg)
