@@ -5,7 +5,6 @@ the same weights and batch, kept + sender + receiver = valid per layer, nothing 
 factor whose buffers cannot overflow, and drops appear as cf shrinks.
 """
 
-from dataclasses import replace
 from functools import partial
 
 import jax

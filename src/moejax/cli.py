@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from moejax.config import apply_overrides, ConfigError
-from moejax.parallel.mesh import parse_mesh
+from moejax.parallel.mesh import mesh_overrides, parse_mesh
 from moejax.presets import PRESET_NAMES, preset
 
 EXIT_USAGE = 2
@@ -49,15 +49,6 @@ def _resolve(args):
     if args.steps is not None:
         cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
     return cfg
-
-
-def mesh_overrides(mesh: str | None) -> list[str]:
-    """`--mesh data=2,expert=4` as `parallel.*` overrides (omitted axes = 1), applied with the `--set` ones
-    in one step, so the layout is validated once, with the final mesh (e.g. context-parallel degrees)."""
-    if not mesh:
-        return []
-    axes = {"replica_dcn": 1, "data": 1, "expert": 1, "model": 1, **parse_mesh(mesh)}
-    return [f"parallel.{k}={v}" for k, v in axes.items()]
 
 
 def _default_mesh(cfg, args):

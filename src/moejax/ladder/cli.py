@@ -103,7 +103,7 @@ def _cmd_plan(args) -> int:
 
 def plan_config(cfg, overrides: list[str], mesh: str | None):
     """The preset with `train`'s `--mesh` (omitted axes = 1) and `--set` applied, validated once."""
-    from moejax.cli import mesh_overrides
+    from moejax.parallel.mesh import mesh_overrides
     from moejax.config import apply_overrides
 
     return apply_overrides(cfg, mesh_overrides(mesh) + overrides)

@@ -45,6 +45,15 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
+def mesh_overrides(mesh: str | None) -> list[str]:
+    """`--mesh data=2,expert=4` as `parallel.*` overrides (omitted axes = 1), applied with the `--set` ones
+    in one step, so the layout is validated once, with the final mesh (e.g. context-parallel degrees)."""
+    if not mesh:
+        return []
+    axes = {**{name: 1 for name in MESH_AXES}, **parse_mesh(mesh)}
+    return [f"parallel.{k}={v}" for k, v in axes.items()]
+
+
 def make_mesh(p: ParallelConfig, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     if p.n_devices > len(devices):
