@@ -88,12 +88,14 @@ def test_halo_is_a_collective_permute_not_a_gather():
 
 
 # ---- the micro context schedule: train through every phase change, CP up to 4, exact resume -------------
-MICRO_SCHEDULE = "0.25:256,0.5:1024:cf=2.0,0.75:2048"  # 128 -> 256 -> 1024 (2 sequences) -> 2048 (1 sequence)
+MICRO_SCHEDULE = "0.375:1024:cf=2.0,0.75:2048"  # 128 -> 1024 (2 sequences, CP 2) -> 2048 (1 sequence, CP 4)
 
 
 def micro_cfg(**parallel):
-    """2048 tokens per step over 4 batch shards: 16 x 128, 8 x 256, 2 x 1024 (CP 2), 1 x 2048 (CP 4). Adam
-    and 2 layers keep each phase's compile short; a permanent checkpoint at step 5 is the resume point."""
+    """2048 tokens per step over 4 batch shards: 16 x 128 (steps 0-2), 2 x 1024 (CP 2, cf 2; steps 3-5),
+    1 x 2048 (CP 4; steps 6-7). Three phases, because each costs a compile (the suite's time budget): both
+    CP changes and a cf change. Adam and 2 layers keep each compile short; a permanent checkpoint at step 5
+    is the resume point."""
     cfg = apply_overrides(preset("tiny"), ["model.n_layers=2", "model.attn_q_block=128", "train.batch_size=16",
                                            "train.seq_len=128", "train.steps=8", "train.eval_every=0",
                                            "train.eval_batches=1", "train.eval_batch_size=4", "train.optimizer=adam",
@@ -105,13 +107,13 @@ def micro_cfg(**parallel):
 def test_micro_schedule_trains_through_every_phase_and_resumes_exactly(tmp_path):
     cfg = micro_cfg()
     assert [(ph.seq_len, ph.sequences, ph.context, ph.cf_send) for ph in cfg.phases] == [
-        (128, 16, 1, 1.15), (256, 8, 1, 1.15), (1024, 2, 2, 2.0), (2048, 1, 4, 1.15)]
+        (128, 16, 1, 1.15), (1024, 2, 2, 2.0), (2048, 1, 4, 1.15)]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(cfg, straight, OPTS)
     rows = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     a = rows(straight)
-    assert [r["data/seq_len"] for r in a] == [128, 128, 256, 256, 1024, 1024, 2048, 2048]
-    assert [r["data/context_parallel"] for r in a] == [1, 1, 1, 1, 2, 2, 4, 4]
+    assert [r["data/seq_len"] for r in a] == [128] * 3 + [1024] * 3 + [2048] * 2
+    assert [r["data/context_parallel"] for r in a] == [1] * 3 + [2] * 3 + [4] * 2
     assert all(np.isfinite(r["train/loss"]) for r in a) and a[-1]["train/loss"] < a[0]["train/loss"]
     # Resume from the step-5 checkpoint (inside the CP-2, cf=2 phase) and cross into the CP-4 phase: the
     # same rows, bit for bit; the resumed phase keeps its capacity factors.
@@ -119,7 +121,7 @@ def test_micro_schedule_trains_through_every_phase_and_resumes_exactly(tmp_path)
     shutil.rmtree(resumed / "checkpoints" / "step_00000008")
     train(cfg, resumed, OPTS)
     b = rows(resumed)
-    assert [r["moe/cf_send"] for r in b] == [1.15] * 4 + [2.0] * 2 + [1.15] * 2
+    assert [r["moe/cf_send"] for r in b] == [1.15] * 3 + [2.0] * 3 + [1.15] * 2
     for key in ("train/loss", "train/grad_norm", "train/param_norm", "moe/drop_fraction", "eval/loss"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
 

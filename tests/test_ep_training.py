@@ -55,7 +55,7 @@ def test_ep_run_equals_single_device_per_step(tmp_path):
 
 
 def test_pinned_host_state_equals_device_state(tmp_path):
-    cfg = small(steps=3, data=2, expert=4)
+    cfg = small(steps=4, data=2, expert=4)  # the preemption test's config: its device run is a cache hit
     train(cfg, tmp_path / "dev", OPTS)
     train(replace(cfg, train=replace(cfg.train, opt_state_memory="pinned_host")), tmp_path / "host", OPTS)
     assert losses(tmp_path / "dev") == losses(tmp_path / "host")
