@@ -51,7 +51,10 @@ def train_args(run_dir: Path, steps: int, every: int, extra=()) -> list[str]:
 
 def env(cache: Path, fault: str = "") -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("MOEJAX_FAULT")}
-    e.update(WANDB_MODE="disabled", XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"),
+    # The caller's XLA flags (the test suite's -O0) without a forced device count: the CLI forces its own.
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    e.update(WANDB_MODE="disabled", XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"),
              JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     if fault:

@@ -1,5 +1,6 @@
 """Small shared fixtures for tests: a toy config exercising every hero feature, and random batches."""
 
+import os
 from dataclasses import replace
 
 import jax
@@ -41,3 +42,10 @@ def rand_tree_like(tree, key, scale=0.1):
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
     return jax.tree.unflatten(treedef, [scale * jax.random.normal(k, x.shape, jnp.float32) for k, x in zip(keys, leaves)])
+
+
+def subprocess_xla_flags() -> str:
+    """conftest's XLA_FLAGS without the forced device count (a CLI subprocess forces as many host devices as
+    its --mesh needs): the rest (-O0) keeps the subprocesses' compiles as fast as the in-process ones."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))

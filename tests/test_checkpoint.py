@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from moejax import checkpoint as ck
 from moejax.diffs import first_difference
+from tests.helpers import subprocess_xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -295,7 +296,7 @@ def test_kill_9_during_async_save_leaves_previous_checkpoint(tmp_path):
         mgr.save(2, big)  # returns while the background write is in flight
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": subprocess_xla_flags()}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert steps_on_disk(tmp_path) == [1]

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from moejax.cli import main
+from tests.helpers import subprocess_xla_flags
 
-ENV = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": ""}
+ENV = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": subprocess_xla_flags()}
 
 
 def run_cli(*args, cwd=None):

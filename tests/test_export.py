@@ -107,3 +107,25 @@ def test_init_from_an_export_starts_from_its_weights(run_dir, tmp_path, capsys):
     np.testing.assert_array_equal(np.asarray(new.compute.blocks.moe.router_bias),  # fp32 in the compute copy
                                   np.asarray(step1.blocks.moe.router_bias))
     assert new.compute.embed.dtype == jnp.bfloat16 and int(new.step) == int(state.step)
+
+
+def test_init_from_a_run_dir_takes_its_newest_checkpoints_weights_at_step_zero(run_dir):
+    """`--init-from RUN_DIR` (the fast twin of test_resume's CLI test, which is `slow`): the newest complete
+    checkpoint's weights (step 2 here), this run's own step counter and a fresh optimizer state."""
+    from moejax.train.loop import resolve_init_from
+
+    cfg = run_config(run_dir)
+    src = resolve_init_from(str(run_dir), dataclasses.asdict(cfg.model))
+    assert src == list_checkpoints(run_dir)[-1].path and src.name == "step_00000002"
+    optimizer = make_optimizer(cfg)[0]
+    abstract = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
+    state, _ = restore(src, abstract)
+    fresh = dataclasses.replace(state, step=jnp.zeros_like(state.step),
+                                params=jax.tree.map(jnp.zeros_like, state.params),
+                                opt_state=jax.tree.map(jnp.zeros_like, state.opt_state))
+    new = _initial_state(fresh, None, False, src, optimizer, dataclasses.asdict(cfg.model))
+    assert int(new.step) == 0
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(optimizer.init(state.params))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # Adam's moments start again at zero

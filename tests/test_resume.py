@@ -7,11 +7,13 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints, restore
 from moejax.config import RunConfig
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
+from tests.helpers import subprocess_xla_flags
 
 ARGS = ["--preset", "tiny", "--steps", "8", "--no-progress", "--peak-flops", "1e11",
         "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.seq_len=64",
@@ -19,7 +21,7 @@ ARGS = ["--preset", "tiny", "--steps", "8", "--no-progress", "--peak-flops", "1e
 
 
 def train(run_dir, fault_at=0):
-    env = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": "", "MOEJAX_FAULT_SIGTERM_AT_STEP": str(fault_at)}
+    env = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": subprocess_xla_flags(), "MOEJAX_FAULT_SIGTERM_AT_STEP": str(fault_at)}
     return subprocess.run([sys.executable, "-m", "moejax.cli", "train", "--run-dir", str(run_dir), *ARGS],
                           capture_output=True, text=True, env=env, timeout=600)
 
@@ -58,10 +60,11 @@ def test_sigterm_then_resume_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # tests/test_export.py covers --init-from RUN_DIR in-process on the session's tiny run
 def test_init_from_starts_a_new_run_at_step_zero(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     assert train(src).returncode == 0
-    env = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": ""}
+    env = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": subprocess_xla_flags()}
     r = subprocess.run([sys.executable, "-m", "moejax.cli", "train", "--run-dir", str(dst), "--init-from", str(src),
                         *[a if a != "8" else "2" for a in ARGS]], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr

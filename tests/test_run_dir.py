@@ -16,6 +16,7 @@ from moejax.presets import preset
 from moejax.report import load_rows, write_report
 from moejax.train.run_dir import (RunError, RunLock, clear_run_dir, prepare_run_dir, read_summary,
                                   truncate_metrics)
+from tests.helpers import subprocess_xla_flags
 
 CFG = apply_overrides(preset("tiny"), ["model.n_layers=2", "train.steps=6"])
 
@@ -95,7 +96,7 @@ def test_a_second_trainer_exits_2_at_once_naming_the_holder(tmp_path):
     with RunLock(run):
         r = subprocess.run([sys.executable, "-m", "moejax.cli", "train", "--run-dir", str(run), "--steps", "1",
                             "--no-progress", "--set", "model.n_layers=2"], capture_output=True, text=True,
-                           env={**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": ""}, timeout=600)
+                           env={**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": subprocess_xla_flags()}, timeout=600)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"is in use by PID {os.getpid()} on host {socket.gethostname()}" in r.stderr
     assert r.stderr.count("\n") == 1 and sorted(p.name for p in run.iterdir()) == []
