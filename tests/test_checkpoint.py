@@ -144,15 +144,20 @@ def test_buffers_may_be_donated_once_save_returns(tmp_path):
     assert_bitwise_equal(jax.tree.map(np.asarray, restored), expected)
 
 
-def test_failed_commit_surfaces_and_leaves_no_marker(tmp_path, monkeypatch):
+def _full_disk_at_the_marker(monkeypatch) -> None:
+    """The COMMITTED marker's write fails with ENOSPC (a disk that filled up during the save)."""
     real_write = ck.atomic_write
 
-    def failing_write(path, data):
+    def full_disk(path, data):
         if path.name == ck.MARKER:
             raise OSError(28, "No space left on device")
         real_write(path, data)
 
-    monkeypatch.setattr(ck, "atomic_write", failing_write)
+    monkeypatch.setattr(ck, "atomic_write", full_disk)
+
+
+def test_failed_commit_surfaces_and_leaves_no_marker(tmp_path, monkeypatch):
+    _full_disk_at_the_marker(monkeypatch)
     mgr = ck.CheckpointManager(tmp_path, permanent_every=1)
     mgr.save(1, tiny_state(1))
     with pytest.raises(ck.CheckpointError, match="save failed.*No space left"):
@@ -404,14 +409,7 @@ def test_restore_falls_back_past_a_checkpoint_that_fails_the_check(tmp_path, cap
 
 
 def test_a_failed_background_save_is_reported_by_the_next_poll_in_one_line(tmp_path, monkeypatch, capfd):
-    real_write = ck.atomic_write
-
-    def full_disk(path, data):
-        if path.name == ck.MARKER:
-            raise OSError(28, "No space left on device")
-        real_write(path, data)
-
-    monkeypatch.setattr(ck, "atomic_write", full_disk)
+    _full_disk_at_the_marker(monkeypatch)
     mgr = ck.CheckpointManager(tmp_path, permanent_every=1)
     mgr.poll()  # nothing in flight: a no-op
     mgr.save(1, tiny_state(1))
