@@ -107,7 +107,7 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) 
     optimizer, lr_fns = make_optimizer(cfg)
     state = init_state(cfg, optimizer, jax.random.key(0), mesh)
     step = jax.jit(make_train_step(cfg.model, optimizer, lr_fns, moe_backend(cfg.parallel, mesh),
-                                   remat=cfg.train.remat), donate_argnums=0)
+                                   remat=cfg.train.remat, scan_layers=cfg.train.scan_layers), donate_argnums=0)
     sh = batch_sharding(mesh)
     batches = [jax.device_put(synthetic_batch(cfg, i), sh) for i in range(2)]
     t0 = time.perf_counter()

@@ -1,17 +1,19 @@
-"""Tokens/s and MFU of the jitted training step of the tiny preset, with `remat` off and on (not a test).
+"""Tokens/s and MFU of the jitted training step of the tiny preset, a boolean knob off and on (not a test).
 
 MFU = 3 x `accounting.fwd_flops_per_token` x tokens per step / step time / peak, where peak is the fp32
 matmul FLOP/s of device 0 measured in this same run (`perf.measure_matmul_peak`), so numbers from different
 (or busy) machines stay comparable. The tiny model computes in bf16; on CPU that is usually *slower* than
 fp32, so MFU against the fp32 peak is the honest figure there. Step times are the median of `--steps` timed
 steps after `--warmup` untimed ones (compile excluded), each blocked on; batches are prepared beforehand,
-so data loading is not timed. The remat-off and remat-on steps alternate, so a busy shared machine slows
-both alike rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
+so data loading is not timed. The knob's two settings (`--compare`: `remat` by default, or `scan_layers`,
+the other one staying at the preset's value) alternate step by step, so a busy shared machine slows both alike
+rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
 
 `--cpu-shape` swaps in issue 11's CPU shape (d256, 4 layers, 4 heads x 64, 32 experts top-4, expert and
 latent width 128, vocab 8,192, seq 256, batch 16, fp32; the rest as the tiny preset, e.g. 2 shared experts).
 
 Usage: python bench/bench_train_step.py [--steps 10] [--warmup 2] [--batch-size 16] [--seq-len 128] [--cpu-shape]
+                                      [--compare remat|scan_layers]
 """
 
 from __future__ import annotations
@@ -38,32 +40,36 @@ CPU_SHAPE_MODEL = dict(d_model=256, n_layers=4, n_heads=4, head_dim=64, n_kv_hea
                        compute_dtype="float32")
 
 
-def compiled_step(cfg, remat: bool, batch: dict):
-    """(jitted step, fresh state, compile + first step seconds) of the train step under `remat`."""
+def compiled_step(cfg, batch: dict):
+    """(jitted step, fresh state, compile + first step seconds) of the train step as `cfg.train` sets it."""
     optimizer, lr_fn = make_optimizer(cfg)
     state = init_state(cfg, optimizer, jax.random.key(cfg.train.seed))
     # fp32 compute: the compute copy is the master's own buffer (astype to the same dtype), and donating
     # one buffer twice is an error, so the fp32 state is not donated.
     donate = () if cfg.model.compute_dtype == "float32" else 0
-    step_fn = jax.jit(make_train_step(cfg.model, optimizer, lr_fn, remat=remat), donate_argnums=donate)
+    step_fn = jax.jit(make_train_step(cfg.model, optimizer, lr_fn, remat=cfg.train.remat,
+                                      scan_layers=cfg.train.scan_layers),
+                      donate_argnums=donate)
     t0 = time.perf_counter()
     state, _ = jax.block_until_ready(step_fn(state, batch))
     return step_fn, state, time.perf_counter() - t0
 
 
-def time_interleaved(cfg, batches: list[dict], warmup: int) -> dict:
-    """Per remat setting: (timed step seconds, compile seconds, last loss). The two settings alternate step by
-    step, so load from other processes on a shared machine hits both alike instead of biasing the ratio."""
-    runs = {remat: compiled_step(cfg, remat, batches[0]) for remat in (False, True)}
-    states = {remat: r[1] for remat, r in runs.items()}
+def time_interleaved(cfg, knob: str, batches: list[dict], warmup: int) -> dict:
+    """Per setting of the train config's boolean `knob`: (timed step seconds, compile seconds, last loss). The
+    two settings alternate step by step, so load from other processes on a shared machine hits both alike
+    instead of biasing the ratio."""
+    with_knob = lambda v: dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{knob: v}))
+    runs = {v: compiled_step(with_knob(v), batches[0]) for v in (False, True)}
+    states = {v: r[1] for v, r in runs.items()}
     times, losses = {False: [], True: []}, {}
     for i, batch in enumerate(batches[1:], start=1):
-        for remat in (False, True) if i % 2 else (True, False):
+        for v in (False, True) if i % 2 else (True, False):
             t0 = time.perf_counter()
-            states[remat], metrics = jax.block_until_ready(runs[remat][0](states[remat], batch))
-            times[remat].append(time.perf_counter() - t0)
-            losses[remat] = float(metrics["train/loss"])
-    return {remat: (times[remat][warmup - 1:], runs[remat][2], losses[remat]) for remat in (False, True)}
+            states[v], metrics = jax.block_until_ready(runs[v][0](states[v], batch))
+            times[v].append(time.perf_counter() - t0)
+            losses[v] = float(metrics["train/loss"])
+    return {v: (times[v][warmup - 1:], runs[v][2], losses[v]) for v in (False, True)}
 
 
 def main() -> None:
@@ -73,6 +79,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=TINY.train.batch_size)
     ap.add_argument("--seq-len", type=int, default=TINY.train.seq_len)
     ap.add_argument("--cpu-shape", action="store_true", help="issue 11's CPU shape instead of the tiny preset")
+    ap.add_argument("--compare", choices=("remat", "scan_layers"), default="remat",
+                    help="the train-config knob timed off and on")
     args = ap.parse_args()
 
     cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
@@ -94,17 +102,18 @@ def main() -> None:
           f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
     print(f"measured fp32 matmul peak (1024^3, best of 5): {peak / 1e9:.1f} GFLOP/s")
-    print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps\n")
+    print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps; "
+          f"remat {t.remat}, scan_layers {t.scan_layers} unless compared\n")
 
-    print("| remat | compile + 1st step (s) | step time (ms, median) | min / max (ms) | tokens/s | MFU | last loss |")
+    print(f"| {args.compare} | compile + 1st step (s) | step time (ms, median) | min / max (ms) | tokens/s | MFU | last loss |")
     print("|---|---|---|---|---|---|---|")
     medians = {}
-    for remat, (times, first, loss) in time_interleaved(cfg, batches, args.warmup).items():
-        med = medians[remat] = float(np.median(times))
-        print(f"| {'on' if remat else 'off'} | {first:.1f} | {1e3 * med:.1f} | {1e3 * min(times):.1f} / "
+    for v, (times, first, loss) in time_interleaved(cfg, args.compare, batches, args.warmup).items():
+        med = medians[v] = float(np.median(times))
+        print(f"| {'on' if v else 'off'} | {first:.1f} | {1e3 * med:.1f} | {1e3 * min(times):.1f} / "
               f"{1e3 * max(times):.1f} | {t.tokens_per_step / med:,.0f} | {100 * flops_per_step / med / peak:.2f}% | "
               f"{loss:.3f} |")
-    print(f"\nstep time remat on / off: {medians[True] / medians[False]:.3f}")
+    print(f"\nstep time {args.compare} on / off: {medians[True] / medians[False]:.3f}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def test_eval_at_start_every_n_and_at_the_end(tmp_path):
     with make_data(cfg) as data:
         assert data.eval.batch(0)["tokens"].shape == (4, 64)  # eval_batch_size sequences, not the train batch
         state = init_state(cfg, make_optimizer(cfg)[0], jax.random.key(cfg.train.seed), make_mesh(cfg.parallel))
-        initial = evaluate(jax.jit(make_eval_step(cfg.model)), state.compute, data.eval, 1,
+        eval_step = make_eval_step(cfg.model, scan_layers=cfg.train.scan_layers)  # as the loop builds it
+        initial = evaluate(jax.jit(eval_step), state.compute, data.eval, 1,
                            jnp.asarray(data.bytes_per_token), "eval/")
     assert rows[0]["eval/loss"] == pytest.approx(initial["eval/loss"], rel=SAME_PROGRAM_RTOL)
     assert rows[-1]["eval/loss"] < rows[0]["eval/loss"]  # and the later evals see trained weights

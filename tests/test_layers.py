@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.model.layers import Norm, init_conv, rms_norm, sconv
+from moejax.model.layers import Norm, init_conv, matmul_tokens, rms_norm, sconv
 from moejax.model.moe.router import route
 from moejax.model.transformer import lm_loss
 from moejax.train.step import moe_metrics
@@ -49,6 +49,22 @@ def test_gated_norm_formula():
     np.testing.assert_allclose(n(x, 1e-5), want, atol=FP32_ATOL)
     ms = np.mean(np.asarray(h) ** 2, -1)
     np.testing.assert_allclose(ms, 1.0, rtol=1e-3)  # gains are 1 at init: plain RMS-normalised
+
+
+def test_matmul_tokens_matches_plain_matmul_values_and_gradients():
+    """The custom VJP only reorders the weight gradient's dot ((g^T x)^T instead of x^T g)."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (3, 37, 24))  # [B, S, D], S unaligned
+    w = jax.random.normal(kw, (24, 5))
+    g = jax.random.normal(kg, (3, 37, 5))
+    y, vjp = jax.vjp(matmul_tokens, x, w)
+    y_ref, vjp_ref = jax.vjp(lambda a, b: a @ b, x, w)
+    np.testing.assert_allclose(y, y_ref, rtol=FP32_RTOL, atol=FP32_ATOL)
+    for got, want in zip(vjp(g), vjp_ref(g)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=FP32_RTOL, atol=FP32_ATOL)
+    dx16, dw16 = jax.vjp(matmul_tokens, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))[1](g.astype(jnp.bfloat16))
+    assert dx16.dtype == dw16.dtype == jnp.bfloat16  # cotangents keep the primal dtypes
 
 
 def test_router_topk_threshold_and_combine_weights():

@@ -78,15 +78,18 @@ def test_layers_are_scanned():
     assert n_eqns(4) == n_eqns(12)
 
 
-def test_remat_does_not_change_values():
-    cfg = toy_model(n_layers=2)
+def test_remat_and_unrolled_layers_do_not_change_values():
+    cfg = toy_model(n_layers=2)  # layer 1 is global, layer 0 local: the unrolled loop takes both branches
     params = Transformer.init(cfg, jax.random.key(2))
     batch = toy_batch(cfg)
-    f = lambda remat: jax.value_and_grad(lambda p: model_loss(p, batch, cfg, remat=remat)[0])(params)
-    (v1, g1), (v2, g2) = f(True), f(False)
-    np.testing.assert_allclose(v1, v2, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    f = lambda remat, scan: jax.jit(jax.value_and_grad(
+        lambda p: model_loss(p, batch, cfg, remat=remat, scan_layers=scan)[0]))(params)
+    v0, g0 = f(False, True)
+    for remat, scan in ((True, True), (False, False), (True, False)):
+        v, g = f(remat, scan)
+        np.testing.assert_allclose(v, v0, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_compute_runs_and_tracks_fp32():

@@ -150,6 +150,9 @@ class TrainConfig:
     weight_decay: float = 0.0  # decoupled decay on head gate and router only (SPEC §4: optional 0.02)
     opt_state_memory: str = "device"  # "device" | "pinned_host": where fp32 master + optimizer state live
     remat: bool = False  # rematerialise each block in the backward pass (the hero needs it for memory)
+    # lax.scan over the layers (compile time independent of depth), or False: unrolled, faster at a few
+    # layers (the tiny preset; see transformer.run_layers). Changes no value.
+    scan_layers: bool = True
     checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
     temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept
 

@@ -82,7 +82,8 @@ TINY = RunConfig(
                   n_experts=16, top_k=2, expert_width=64, latent_width=64, n_shared=2, shared_width=64),
     train=TrainConfig(seq_len=128, batch_size=16, steps=300, optimizer="hero", warmup_fraction=0.05,
                       eval_every=100, b2=0.99, checkpoint_every=100, temp_checkpoint_minutes=2.0,
-                      load_log_every=5),  # [4 x 16] loads are small: a 60-column heat map in `moejax report`
+                      load_log_every=5,  # [4 x 16] loads are small: a 60-column heat map in `moejax report`
+                      scan_layers=False),  # 4 layers: unrolled is ~28% faster on CPU, same compile time
     parallel=ParallelConfig(),
 )
 

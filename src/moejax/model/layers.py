@@ -40,6 +40,29 @@ def rms_norm(x: Float[Array, "... D"], gain: Float[Array, "D"], eps: float) -> F
     return (rms_normalize(x, eps) * gain.astype(jnp.float32)).astype(x.dtype)
 
 
+@jax.custom_vjp
+def matmul_tokens(x: Float[Array, "... D"], w: Float[Array, "D F"]) -> Float[Array, "... F"]:
+    """x @ w, with the weight gradient taken as (g^T x)^T: the token-major activation x is read in its own
+    layout and only the small [F, D] result is transposed. Left to itself, XLA CPU lays out x^T for
+    dW = x^T g by recomputing x in a strided loop fusion (18 ms per GatedNorm at T=4096, D=256, about a
+    tenth of issue 11's CPU-shape step; measured 3.4x on the GatedNorm backward alone)."""
+    return x @ w
+
+
+def _matmul_tokens_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _matmul_tokens_bwd(res, g):
+    x, w = res
+    g_TF, x_TD = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    dw = jnp.einsum("tf,td->fd", g_TF, x_TD, preferred_element_type=jnp.float32).T
+    return g @ w.T, dw.astype(w.dtype)
+
+
+matmul_tokens.defvjp(_matmul_tokens_fwd, _matmul_tokens_bwd)
+
+
 @pytree_dataclass
 class Norm:
     """RMSNorm (learned gain) followed by a rank-R GatedNorm."""
@@ -56,7 +79,8 @@ class Norm:
 
     def __call__(self, x: Float[Array, "B S D"], eps: float) -> Float[Array, "B S D"]:
         h = rms_norm(x, self.gain, eps)
-        gate = jax.nn.sigmoid((jax.nn.silu(h @ self.down.astype(h.dtype)) @ self.up.astype(h.dtype)).astype(jnp.float32))
+        low = jax.nn.silu(matmul_tokens(h, self.down.astype(h.dtype)))
+        gate = jax.nn.sigmoid(matmul_tokens(low, self.up.astype(h.dtype)).astype(jnp.float32))
         return (h.astype(jnp.float32) * gate).astype(x.dtype)
 
 

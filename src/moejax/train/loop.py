@@ -184,14 +184,14 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
         transport's static buffer sizes and the chunk layout are baked into the compiled step."""
         par = dataclasses.replace(cfg.parallel, cf_send=cf_send, cf_recv=cf_recv)
         fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=opts.remat or t.remat,
-                             offload=offload, context=context)
+                             offload=offload, context=context, scan_layers=t.scan_layers)
         return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
                        out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
     step_fn = lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)
-    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed))}
+    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, routed_local_with_stats))
+        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, routed_local_with_stats, t.scan_layers))
     return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
                     jnp.asarray(data.bytes_per_token))
 

@@ -31,6 +31,7 @@ Notes:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -118,6 +119,18 @@ def newton_schulz(x: jax.Array, ns_steps: int = 5) -> jax.Array:
     if transposed:
         x = x.T
     return x.astype(jnp.float32)
+
+
+def newton_schulz_flops(params: Any, ns_steps: int = 5) -> float:
+    """FLOPs of one step's Newton-Schulz over the MuonH matrices of `params` (arrays or shape structs): per
+    [m, n] matrix with m <= n, each iteration is X X^T (2 m^2 n), gram @ gram (2 m^3) and (...) @ X (2 m^2 n).
+    Not model FLOPs (MFU leaves them out); the CPU FLOPs guard counts them as the step's legitimate extra."""
+    total = 0.0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if param_group(path) == "muonh":
+            m, n = sorted(leaf.shape[-2:])
+            total += math.prod(leaf.shape[:-2]) * ns_steps * (4 * m * m * n + 2 * m ** 3)
+    return total
 
 
 def _shape_scale(u: jax.Array) -> float:

@@ -89,8 +89,9 @@ def qb_hook(cfg: ModelConfig):
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fns: dict[str, Callable],
                     routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None,
-                    context: int = 1):
-    """`context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`)."""
+                    context: int = 1, scan_layers: bool = True):
+    """`context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`).
+    `scan_layers`: `lax.scan` over the layers, or unrolled (`transformer.run_layers`)."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
 
     def train_step(state: TrainState, batch: dict):
@@ -98,7 +99,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
         # The router bias in it is the QB bias computed at the previous step.
         fwd_params = jax.tree.map(lambda c: c.astype(jnp.float32), state.compute)
-        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context)
+        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
 
         master, opt_state = state.params, state.opt_state
@@ -135,9 +136,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     return train_step
 
 
-def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats):
+def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats, scan_layers: bool = True):
     def eval_step(params, batch, bytes_per_token):
-        _, aux = model_loss(params, batch, cfg, routed, remat=False)
+        _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers)
         n_bytes = jnp.sum(jnp.where(batch["loss_mask"], bytes_per_token[batch["targets"]], 0))
         return {"ce_sum": aux["cross_entropy_loss"] * aux["tokens"], "tokens": aux["tokens"],
                 "bytes": n_bytes.astype(jnp.float32), **moe_metrics(aux["layers"], cfg.n_layers)}
