@@ -19,8 +19,12 @@ demo: $(STAMP)
 	$(VENV)/bin/moejax train --preset tiny --run-dir runs/demo --steps 300 --overwrite
 	$(VENV)/bin/moejax summary runs/demo
 
+# Two pytest-xdist workers (each takes whole files, so a file's tests share its compiled steps): the suite is
+# compile-bound and one process keeps about one core busy. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/bench_train_step.py

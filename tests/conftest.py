@@ -8,17 +8,19 @@ import tempfile
 # LLVM at -O0: the suite's shapes are tiny, so compiling dominates its time and -O0 cuts a compile by about a
 # third (measured: a 30 s model test takes 20 s). Both sides of every comparison are compiled alike, and the
 # CLI subprocesses inherit the flags. Benchmarks (bench/) never run with it.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-).strip()
+_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
+_have = os.environ.get("XLA_FLAGS", "").split()  # pytest-xdist workers inherit the controller's: add once
+os.environ["XLA_FLAGS"] = " ".join(_have + [f for f in _FLAGS if f not in _have])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")
-# One persistent compilation cache per test session, inherited by the CLI subprocesses: the many tiny runs
-# that compile the same step (resume, init-from, fault injection) compile it once. Per session, so a test
-# never reads a stale entry from another checkout, and the user's ~/.cache is left alone.
-_CACHE = tempfile.mkdtemp(prefix="moejax-test-jax-cache-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# One persistent compilation cache per test session, inherited by the CLI subprocesses and by pytest-xdist's
+# workers (spawned after this ran in the controller): the many tiny runs that compile the same step (resume,
+# init-from, fault injection) compile it once. Per session, so a test never reads a stale entry from another
+# checkout, and the user's ~/.cache is left alone; whoever made the directory removes it.
+if "MOEJAX_TEST_JAX_CACHE" not in os.environ:
+    os.environ["MOEJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="moejax-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["MOEJAX_TEST_JAX_CACHE"], ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["MOEJAX_TEST_JAX_CACHE"]
 
 import jax  # noqa: E402
 
