@@ -41,7 +41,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
 from moejax.model.flash_gpu import flash_attention
-from moejax.model.layers import front_extend, init_conv, pytree_dataclass, rms_normalize, sconv, trunc_normal
+from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
@@ -226,7 +226,7 @@ def _rope_local(x: Float[Array, "B S N Hd"], positions, is_global: bool, cfg: Mo
 def queries(p: Attention, x: Float[Array, "B S D"], positions: Int[Array, "B S"], is_global: bool,
             cfg: ModelConfig) -> Float[Array, "B S H Hd"]:
     """q = RoPE(QKNorm(x W_q)), RoPE on local layers only (static `is_global`)."""
-    q = (x @ p.wq.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
+    q = matmul_tokens(x, p.wq.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_heads, cfg.head_dim)
     return _rope_local(rms_normalize(q, cfg.qk_norm_eps).astype(x.dtype), positions, is_global, cfg)
 
 
@@ -238,7 +238,7 @@ def keys(k_conv: Float[Array, "B S GHd"], positions: Int[Array, "B S"], is_globa
 
 
 def values(p: Attention, x: Float[Array, "B S D"], cfg: ModelConfig) -> Float[Array, "B S G Hd"]:
-    return (x @ p.wv.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_kv_heads, cfg.head_dim)
+    return matmul_tokens(x, p.wv.astype(x.dtype)).reshape(*x.shape[:2], cfg.n_kv_heads, cfg.head_dim)
 
 
 def xsa(out: Float[Array, "B S H Hd"], v_h: Float[Array, "B S H Hd"]) -> Float[Array, "B S H Hd"]:
@@ -252,9 +252,9 @@ def attention_output(p: Attention, x: Float[Array, "B S D"], out: Float[Array, "
                      cfg: ModelConfig) -> Float[Array, "B S D"]:
     """Head gate 2*sigmoid(x W_gate) and W_o on the (XSA-ed, fp32) heads; the output SConv is the caller's."""
     dt = x.dtype
-    gate = 2.0 * jax.nn.sigmoid((x @ p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
+    gate = 2.0 * jax.nn.sigmoid(matmul_tokens(x, p.head_gate.astype(dt)).astype(jnp.float32))  # [B, S, H]
     out = (out * gate[..., None]).astype(dt).reshape(*x.shape[:2], cfg.q_dim)
-    return out @ p.wo.astype(dt)
+    return matmul_tokens(out, p.wo.astype(dt))
 
 
 def attend_cached(q, k_h, v_h, seg_q, seg_k, q_pos, k_pos, is_global: bool, cfg: ModelConfig):
@@ -287,7 +287,7 @@ def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B
     """`is_global`: a Python bool, or a traced scalar (the layer scan) that picks a branch by lax.cond.
     `context` > 1: rows are chunks of sequences (context parallelism, `attend_context`); positions and
     segment ids are the whole sequence's."""
-    k_conv = sconv(x @ p.wk.astype(x.dtype), p.conv_k, segment_ids, context)
+    k_conv = sconv(matmul_tokens(x, p.wk.astype(x.dtype)), p.conv_k, segment_ids, context)
     branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg, context=context)
     if isinstance(is_global, (bool, np.bool_)):
         out = branch(bool(is_global))(p, x, k_conv, segment_ids, positions)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moejax.config import ModelConfig
-from moejax.model.layers import init_conv, pytree_dataclass, rms_norm, sconv, swiglu, trunc_normal
+from moejax.model.layers import init_conv, matmul_tokens, pytree_dataclass, rms_norm, sconv, swiglu, trunc_normal
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.router import route, router_stats
 
@@ -96,10 +96,10 @@ def moe_mix(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cf
     m_TD = m.reshape(bsz * seq, d)
     mask_T = segment_ids.reshape(-1) > 0
     r = route(m_TD, p.router, p.router_bias, cfg.top_k, cfg.combine_scale)
-    z_TZ = rms_norm(m_TD @ p.lat_down.astype(dt), p.lat_norm, cfg.norm_eps)
+    z_TZ = rms_norm(matmul_tokens(m_TD, p.lat_down.astype(dt)), p.lat_norm, cfg.norm_eps)
     y_TZ, drops = routed(z_TZ, r.expert_TK, r.weight_TK, mask_T, p.w_gate.astype(dt), p.w_up.astype(dt),
                          p.w_down.astype(dt))
-    y_TD = y_TZ.astype(dt) @ p.lat_up.astype(dt)
+    y_TD = matmul_tokens(y_TZ.astype(dt), p.lat_up.astype(dt))
     for u in range(cfg.n_shared):
         y_TD = y_TD + swiglu(m_TD, p.shared_gate[u].astype(dt), p.shared_up[u].astype(dt), p.shared_down[u].astype(dt))
     stats = {**router_stats(r, mask_T), **drops._asdict(),  # margins and mask feed QB (layer hook), then are dropped
