@@ -29,7 +29,9 @@ def route(m_TD: Float[Array, "T D"], router_DE: Float[Array, "D E"], bias_E: Flo
     logits = jnp.einsum("td,de->te", m_TD.astype(jnp.float32), router_DE.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
     biased = logits + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
-    top_vals, top_idx = jax.lax.top_k(jax.lax.stop_gradient(biased), top_k + 1)
+    # The barrier keeps XLA from folding the slices below into the top_k, which turns it into a full sort
+    # of every row: on CPU 13 vs 1.8 ms at [4096, 32] (k+1 = 5), 273 vs 13 ms at E=384 (k+1 = 9).
+    top_vals, top_idx = jax.lax.optimization_barrier(jax.lax.top_k(jax.lax.stop_gradient(biased), top_k + 1))
     expert_TK = top_idx[:, :top_k]
     s = jax.nn.sigmoid(jnp.take_along_axis(logits, expert_TK, axis=-1))
     weight_TK = combine_scale * s / (jnp.sum(s, -1, keepdims=True) + COMBINE_EPS)
