@@ -180,6 +180,15 @@ def test_a_run_may_be_extended_but_not_shortened(tmp_path, capsys):
         prepare_run_dir(run, apply_overrides(longer, ["train.seed=1"]), overwrite=False)
 
 
+def test_a_run_may_change_how_the_step_is_laid_out(tmp_path):
+    run = tmp_path / "run"
+    _fake_run(run)
+    relaid = apply_overrides(CFG, ["train.remat=true", "train.scan_layers=true"])  # same math, other program
+    assert prepare_run_dir(run, relaid, overwrite=False) is True
+    saved = json.loads((run / "config.json").read_text())["train"]
+    assert saved["remat"] is True and saved["scan_layers"] is True
+
+
 def test_a_checkpoint_with_non_finite_weights_is_unusable():
     from types import SimpleNamespace
 

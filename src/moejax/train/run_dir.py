@@ -173,12 +173,17 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
 
 
 # The mesh may change between restarts (checkpoints reshard on load), and so may the alarm thresholds
-# (monitoring only); the model, data and schedule may not, except that a run may be extended to more steps.
+# (monitoring only) and how the step is laid out (block remat, scanned or unrolled layers: same math); the
+# model, data and schedule may not, except that a run may be extended to more steps.
 RESTART_MAY_CHANGE = ("parallel", "alarms")
+TRAIN_MAY_CHANGE = ("remat", "scan_layers")
 
 
 def _comparable(d: dict) -> dict:
-    return {k: ({**v, "steps": None} if k == "train" and isinstance(v, dict) else v)
+    def train(v: dict) -> dict:
+        return {**{k: x for k, x in v.items() if k not in TRAIN_MAY_CHANGE}, "steps": None}
+
+    return {k: (train(v) if k == "train" and isinstance(v, dict) else v)
             for k, v in d.items() if k not in RESTART_MAY_CHANGE}
 
 
