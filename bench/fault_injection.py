@@ -36,6 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # run as a script from a checkout: the same moejax its runs use
+
+from moejax.cli import without_forced_host_devices  # noqa: E402
+
 TRACE_KEYS = ("train/loss", "train/grad_norm", "train/param_norm")
 KINDS = ("step", "metrics", "save", "timer", "startup")
 WEIGHTS = (0.25, 0.25, 0.2, 0.15, 0.15)
@@ -52,8 +56,7 @@ def train_args(run_dir: Path, steps: int, every: int, extra=()) -> list[str]:
 def env(cache: Path, fault: str = "") -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("MOEJAX_FAULT")}
     # The caller's XLA flags (the test suite's -O0) without a forced device count: the CLI forces its own.
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
+    flags = without_forced_host_devices(os.environ.get("XLA_FLAGS", ""))
     e.update(WANDB_MODE="disabled", XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT / "src"),
              JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.cli import without_forced_host_devices
 from moejax.presets import HERO_MODEL
 
 
@@ -47,5 +48,4 @@ def rand_tree_like(tree, key, scale=0.1):
 def subprocess_xla_flags() -> str:
     """conftest's XLA_FLAGS without the forced device count (a CLI subprocess forces as many host devices as
     its --mesh needs): the rest (-O0) keeps the subprocesses' compiles as fast as the in-process ones."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if not f.startswith("--xla_force_host_platform_device_count"))
+    return without_forced_host_devices(os.environ.get("XLA_FLAGS", ""))

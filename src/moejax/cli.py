@@ -300,15 +300,23 @@ def _backends_started() -> bool:
     return bool(started()) if started is not None else bool(getattr(xla_bridge, "_backends", None))
 
 
+FORCED_HOST_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def without_forced_host_devices(xla_flags: str) -> str:
+    """XLA_FLAGS for a `moejax` subprocess: all but a forced host-device count, so that `--mesh` sets its own."""
+    return " ".join(f for f in xla_flags.split() if not f.startswith(FORCED_HOST_DEVICES))
+
+
 def _ensure_host_devices(args) -> None:
     """On CPU, a mesh of N devices needs N forced host devices, which must be set before jax's backend starts.
     The flag only affects the host platform, so it is harmless on GPU/TPU machines."""
-    if getattr(args, "mesh", None) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    if getattr(args, "mesh", None) and FORCED_HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
         import math
 
         n = math.prod(parse_mesh(args.mesh).values()) // max(1, getattr(args, "num_processes", None) or 1)
         if n > 1 and not _backends_started():
-            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FORCED_HOST_DEVICES}={n}"
 
 
 class _PreemptedWhileStarting(BaseException):
