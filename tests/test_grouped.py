@@ -116,6 +116,8 @@ def test_layout_blocks_are_single_expert_and_bounded():
     assert np.all(np.diff(expert_N) >= 0), "blocks sorted by expert (segment_sum relies on it)"
     used = np.unique(block_of_row[real_P]).size
     assert used == np.sum(-(-sizes // b)), "each expert gets exactly ceil(n_e / b) blocks"
+    np.testing.assert_array_equal(layout.blocks_E, -(-sizes // b))
+    assert np.all(block_of_row[real_P] < used), "the used blocks come first, the static tail after them"
 
 
 def test_default_block_shrinks_for_small_inputs():

@@ -32,7 +32,6 @@ Attention core, by `attention_impl()`:
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -41,11 +40,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
 from moejax.model.flash_gpu import flash_attention
+from moejax.model.kernel_choice import kernel_impl
 from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
-ATTENTION_IMPLS = ("xla", "gpu_kernel")
 
 
 @pytree_dataclass
@@ -80,18 +79,8 @@ def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: in
 
 
 def attention_impl() -> str:
-    """'gpu_kernel' on a single-GPU backend, else 'xla'; the env var MOEJAX_ATTENTION chooses explicitly."""
-    chosen = os.environ.get("MOEJAX_ATTENTION") or None
-    if chosen is not None and chosen not in ATTENTION_IMPLS:
-        raise ValueError(f"MOEJAX_ATTENTION={chosen!r} is not one of {ATTENTION_IMPLS}")
-    if chosen:
-        return chosen
-    if jax.default_backend() != "gpu":
-        return "xla"
-    if jax.device_count() > 1:  # GSPMD cannot partition the kernel's custom call: it would run replicated
-        raise ValueError(f"the fused attention kernel is single-device ({jax.device_count()} GPUs here): set "
-                         "MOEJAX_ATTENTION=xla, or =gpu_kernel to accept a replicated kernel")
-    return "gpu_kernel"
+    """'gpu_kernel' on a single-GPU backend, else 'xla'; MOEJAX_ATTENTION chooses explicitly (`kernel_choice`)."""
+    return kernel_impl("MOEJAX_ATTENTION", "attention")
 
 
 def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B K"], q_pos: Int[Array, "Q"], k_pos: Int[Array, "K"],

@@ -27,6 +27,11 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
   the gathered weights as a residual and sum bf16 block gradients in bf16.
 - `gather_rows`: the row gathers into and out of blocks are each other's transposes, so their backward
   is a gather through the other map, not the scatter-add autodiff would emit.
+
+On one GPU the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
+`grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary);
+MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). Shapes the kernels don't take (blocks
+under 16 rows, widths not whole tiles) stay on the einsums.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from moejax.model.kernel_choice import kernel_impl
 from moejax.model.layers import pytree_dataclass
+from moejax.model.moe import grouped_gpu
 
 # Rows per block, the largest the default picks. Measured on 2 CPU cores, fp32, fwd+bwd of one grouped GEMM
 # (bench/bench_grouped.py, docs/LOG.md 2026-11-30): at A=16,384, Z=F=256, E=32, b=128 beat 64 by 1.8x and
@@ -59,6 +66,7 @@ class BlockLayout:
     row_Pd: Int[Array, "Pd"]  # source row of each padded row; A (out of range) marks padding
     slot_A: Int[Array, "A"]  # padded row of each source row
     expert_Bk: Int[Array, "Bk"]  # expert of each block, ascending (unused tail blocks repeat E-1)
+    blocks_E: Int[Array, "E"]  # blocks holding each expert's rows (they come first; the tail follows)
 
     @property
     def n_blocks(self) -> int:
@@ -96,7 +104,8 @@ def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | Non
                                                                          unique_indices=True)
     block_start_Bk = jnp.arange(n_blocks, dtype=jnp.int32) * b
     expert_Bk = jnp.searchsorted(padded_end_E, block_start_Bk, side="right").astype(jnp.int32)
-    return BlockLayout(row_Pd=row_Pd, slot_A=slot_A, expert_Bk=jnp.minimum(expert_Bk, n_experts - 1))
+    return BlockLayout(row_Pd=row_Pd, slot_A=slot_A, expert_Bk=jnp.minimum(expert_Bk, n_experts - 1),
+                       blocks_E=padded_E // b)
 
 
 @jax.custom_vjp
@@ -133,39 +142,58 @@ def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Ar
     return gather_rows(y_BkbZ.reshape(-1, y_BkbZ.shape[-1]), layout.slot_A, layout.row_Pd[:, None])
 
 
+def _kernel(x_BkbZ, w_EZF) -> dict | None:
+    """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, the
+    `kernel_choice` rule, and a shape they take), else None. Off GPU a chosen kernel runs interpreted."""
+    if kernel_impl("MOEJAX_GROUPED", "grouped GEMM") != "gpu_kernel":
+        return None
+    if not grouped_gpu.fits(x_BkbZ.shape[1], *w_EZF.shape[1:]):
+        return None  # e.g. the small blocks of a small eval batch: the XLA path, same values
+    return dict(interpret=jax.default_backend() != "gpu")
+
+
 @jax.custom_vjp
-def block_matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"],
-                 expert_Bk: Int[Array, "Bk"]) -> Float[Array, "Bk b F"]:
-    """y[n] = x[n] @ w[expert_Bk[n]] for every block n."""
+def block_matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], expert_Bk: Int[Array, "Bk"],
+                 blocks_E: Int[Array, "E"]) -> Float[Array, "Bk b F"]:
+    """y[n] = x[n] @ w[expert_Bk[n]] for every block n (blocks_E: the layout's, read by the GPU kernel)."""
+    kernel = _kernel(x_BkbZ, w_EZF)
+    if kernel is not None:
+        return grouped_gpu.matmul(x_BkbZ, w_EZF, expert_Bk, blocks_E, **kernel)
     return jnp.einsum("nbz,nzf->nbf", x_BkbZ, w_EZF[expert_Bk])
 
 
-def _block_matmul_fwd(x_BkbZ, w_EZF, expert_Bk):
+def _block_matmul_fwd(x_BkbZ, w_EZF, expert_Bk, blocks_E):
     # Residuals are the inputs, not the gathered [Bk, Z, F] weights (re-gathered in the backward).
-    return block_matmul(x_BkbZ, w_EZF, expert_Bk), (x_BkbZ, w_EZF, expert_Bk)
+    return block_matmul(x_BkbZ, w_EZF, expert_Bk, blocks_E), (x_BkbZ, w_EZF, expert_Bk, blocks_E)
 
 
 def _block_matmul_bwd(res, dy_BkbF):
-    x_BkbZ, w_EZF, expert_Bk = res
+    x_BkbZ, w_EZF, expert_Bk, blocks_E = res
+    kernel = _kernel(x_BkbZ, w_EZF)
+    if kernel is not None:
+        dx_BkbZ = grouped_gpu.matmul_dx(dy_BkbF, w_EZF, expert_Bk, blocks_E, **kernel).astype(x_BkbZ.dtype)
+        dw_EZF = grouped_gpu.matmul_dw(x_BkbZ, dy_BkbF, blocks_E, **kernel)
+        return dx_BkbZ, dw_EZF.astype(w_EZF.dtype), None, None
     dx_BkbZ = jnp.einsum("nbf,nzf->nbz", dy_BkbF, w_EZF[expert_Bk])
     dw_BkZF = jnp.einsum("nbz,nbf->nzf", x_BkbZ, dy_BkbF, preferred_element_type=jnp.float32)
     dw_EZF = jax.ops.segment_sum(dw_BkZF, expert_Bk, num_segments=w_EZF.shape[0], indices_are_sorted=True)
-    return dx_BkbZ, dw_EZF.astype(w_EZF.dtype), None
+    return dx_BkbZ, dw_EZF.astype(w_EZF.dtype), None, None
 
 
 block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 
-def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], expert_Bk: Int[Array, "Bk"], w_gate_EZF: Float[Array, "E Z F"],
+def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZF: Float[Array, "E Z F"],
                   w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"]) -> Float[Array, "Bk b Z"]:
     """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero."""
-    h_BkbF = jax.nn.silu(block_matmul(x_BkbZ, w_gate_EZF, expert_Bk)) * block_matmul(x_BkbZ, w_up_EZF, expert_Bk)
-    return block_matmul(h_BkbF, w_down_EFZ, expert_Bk)
+    mm = lambda x, w: block_matmul(x, w, layout.expert_Bk, layout.blocks_E)
+    h_BkbF = jax.nn.silu(mm(x_BkbZ, w_gate_EZF)) * mm(x_BkbZ, w_up_EZF)
+    return mm(h_BkbF, w_down_EFZ)
 
 
 def grouped_swiglu(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_gate_EZF, w_up_EZF, w_down_EFZ,
                    block_size: int | None = None) -> Float[Array, "A Z"]:
     """SwiGLU of row a with the weights of expert expert_A[a] (rows in any order)."""
     layout = make_layout(expert_A, w_gate_EZF.shape[0], block_size)
-    y_BkbZ = swiglu_blocks(to_blocks(x_AZ, layout), layout.expert_Bk, w_gate_EZF, w_up_EZF, w_down_EFZ)
+    y_BkbZ = swiglu_blocks(to_blocks(x_AZ, layout), layout, w_gate_EZF, w_up_EZF, w_down_EFZ)
     return from_blocks(y_BkbZ, layout)

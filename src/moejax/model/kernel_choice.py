@@ -1,0 +1,48 @@
+"""Which implementation a fused-kernel op runs: the GPU kernel or the XLA path.
+
+One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED): the
+environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a single-GPU backend gets the
+kernel and everything else XLA. With several GPUs and no choice it raises: the kernels are single-device
+custom calls that GSPMD would run replicated, silently slow, so the user has to say which they want.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+
+IMPLS = ("xla", "gpu_kernel")
+
+
+def kernel_impl(env_var: str, what: str) -> str:
+    """'gpu_kernel' or 'xla' for the op `what`, by the rule above."""
+    chosen = os.environ.get(env_var) or None
+    if chosen is not None and chosen not in IMPLS:
+        raise ValueError(f"{env_var}={chosen!r} is not one of {IMPLS}")
+    if chosen:
+        return chosen
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if jax.device_count() > 1:  # GSPMD cannot partition the kernel's custom call: it would run replicated
+        raise ValueError(f"the fused {what} kernel is single-device ({jax.device_count()} GPUs here): set "
+                         f"{env_var}=xla, or ={IMPLS[1]} to accept a replicated kernel")
+    return "gpu_kernel"
+
+
+@contextlib.contextmanager
+def chosen(env_var: str, impl: str):
+    """Within the block, `env_var` chooses `impl` (benchmarks A/B both paths in one process; the choice is
+    read when a function is traced, so trace, i.e. call a fresh jit, inside the block)."""
+    if impl not in IMPLS:
+        raise ValueError(f"{env_var}={impl!r} is not one of {IMPLS}")
+    before = os.environ.get(env_var)
+    os.environ[env_var] = impl
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(env_var)
+        else:
+            os.environ[env_var] = before

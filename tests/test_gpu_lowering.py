@@ -1,0 +1,49 @@
+"""The Pallas GPU kernels lower to Triton for an H200 on this CPU-only machine (jax.export for 'cuda' under
+an abstract H200 device): Pallas's Triton lowering rules accept every op, ref index and loop bound they
+use, at the shapes of issue 11's shape G. What this cannot check is Triton's own compile to PTX, which
+runs inside XLA on a GPU (`bench/bench_gpu.py` does that)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from moejax.model.flash_gpu import flash_attention
+from moejax.model.moe import grouped_gpu
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+
+def _triton_calls(fn, *args) -> int:
+    """Lower `fn` for CUDA and count its Triton kernel calls."""
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    return exported.mlir_module().count(f"stablehlo.custom_call @{TRITON_CALL}")
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("n_experts", [64, 384])
+def test_grouped_gemm_kernels_lower_to_triton(n_experts):
+    """Shape G's expert matmul (Z = F = 512, b = 128, bf16) and the d1024 rung's 384 experts."""
+    e, z, f, b, n_blocks = n_experts, 512, 512, 128, 3 * n_experts
+    x, dy, w = _spec((n_blocks, b, z)), _spec((n_blocks, b, f)), _spec((e, z, f))
+    expert_Bk, blocks_E = _spec((n_blocks,), jnp.int32), _spec((e,), jnp.int32)
+    assert grouped_gpu.fits(b, z, f)
+    assert _triton_calls(grouped_gpu.matmul, x, w, expert_Bk, blocks_E) == 1
+    assert _triton_calls(grouped_gpu.matmul_dx, dy, w, expert_Bk, blocks_E) == 1
+    assert _triton_calls(grouped_gpu.matmul_dw, x, dy, blocks_E) == 1
+
+
+@pytest.mark.parametrize("window", [None, 2048], ids=["global", "local"])
+def test_flash_attention_lowers_to_triton(window):
+    """Forward and backward (fwd, dq, dkv kernels) at head_dim 128, 8 query heads on 2 KV heads."""
+    q, kv, seg = _spec((1, 4096, 8, 128)), _spec((1, 4096, 2, 128)), _spec((1, 4096), jnp.int32)
+    grads = lambda q, k, v, s: jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, s, 0.1, window)),
+                                        argnums=(0, 1, 2))(q, k, v)
+    assert _triton_calls(grads, q, kv, kv, seg) == 3

@@ -1,0 +1,93 @@
+"""The GPU grouped-GEMM kernels (moejax.model.moe.grouped_gpu), run by the Pallas interpreter on CPU, equal
+fp32 references and the XLA block path: values and every gradient, unaligned groups, empty experts, E=384."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax.model.moe import grouped_gpu
+from moejax.model.moe.grouped import block_matmul, grouped_swiglu, make_layout, to_blocks
+from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem, per_row_reference
+
+# bf16 against fp32, relative Frobenius norm: four bf16 unit roundoffs (2^-8 each), for the chain of
+# gate/up matmul, product, down matmul and their backward.
+RTOL_BF16_NORM = 4 * 2.0 ** -8
+# Tiles smaller than the widths below, so every kernel loops over several contraction chunks and writes
+# several column tiles.
+SMALL = grouped_gpu.GemmTiles(tn=16, tk=16, tz=16, tf=16)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1)))(*args))
+
+
+def _swiglu_vs_reference(x, expert_A, ws, ct, block, rtol, atol):
+    swiglu = lambda x, e, *w: grouped_swiglu(x, e, *w, block_size=block)
+    assert _uses_kernel(lambda x, w: swiglu(x, expert_A, w, *ws[1:]), x, ws[0]), "the kernel path was not taken"
+    y = jax.jit(swiglu)(x, expert_A, *ws)
+    np.testing.assert_allclose(np.asarray(y, np.float32), per_row_reference(x, expert_A, *ws), rtol=rtol, atol=atol)
+    grads = [jax.jit(jax.grad(lambda x, *w: jnp.sum(f(x, expert_A, *w).astype(jnp.float32) * ct), argnums=(0, 1, 2, 3)))(x, *ws)
+             for f in (swiglu, per_row_reference)]
+    for name, a, b in zip(["x", "w_gate", "w_up", "w_down"], *grads):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol,
+                                   err_msg=f"grad {name}")
+
+
+def test_kernel_swiglu_unaligned_groups_with_empty_experts(kernel):
+    _swiglu_vs_reference(*_problem(0, UNALIGNED, Z=32, F=64), 16, RTOL_FP32, ATOL_FP32)
+
+
+def test_kernel_swiglu_384_experts(kernel):
+    sizes = np.random.default_rng(2).multinomial(700, np.full(384, 1 / 384))
+    assert (sizes == 0).any() and sizes.max() > 4
+    _swiglu_vs_reference(*_problem(2, sizes, Z=16, F=16), 16, RTOL_FP32, ATOL_FP32)
+
+
+def test_kernel_bf16_close_to_fp32_reference(kernel):
+    """bf16 operands against the fp32 reference on the same (bf16-rounded) values, in relative Frobenius
+    norm: elementwise, bf16 at widths >= 16 (the kernels' minimum) is off by more than test_grouped's
+    narrow-width tolerance for the XLA path too; in norm both stay near 0.5% (measured), inside the
+    bound of four bf16 roundings."""
+    x, expert_A, ws, ct = _problem(3, UNALIGNED, Z=32, F=32, dtype=jnp.bfloat16)
+    swiglu = lambda x, *w: grouped_swiglu(x, expert_A, *w, block_size=16)
+    assert _uses_kernel(lambda x, w: swiglu(x, w, *ws[1:]), x, ws[0])
+    loss = lambda f: lambda x, *w: jnp.sum(f(x, *w).astype(jnp.float32) * ct)
+    ref = lambda x, *w: per_row_reference(x, expert_A, *w)
+    got, want = ([jax.jit(f)(x, *ws), *jax.jit(jax.grad(loss(f), argnums=(0, 1, 2, 3)))(x, *ws)] for f in (swiglu, ref))
+    for name, a, b in zip(["forward", "grad x", "grad w_gate", "grad w_up", "grad w_down"], got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= RTOL_BF16_NORM * np.linalg.norm(b), name
+
+
+def test_kernels_equal_xla_block_path_with_several_tiles():
+    """Each kernel alone against the XLA einsums on the same blocks: forward, dx and the fp32 dw, with tiles
+    smaller than the widths (Z=32: 2 chunks; F=48: 3 column tiles) and the layout's unused tail blocks."""
+    x, expert_A, (w, _, _), _ = _problem(4, UNALIGNED, Z=32, F=48)
+    layout = make_layout(expert_A, len(UNALIGNED), 16)
+    x_BkbZ = to_blocks(x, layout)
+    assert layout.n_blocks > int(np.sum(layout.blocks_E)), "the case should have unused tail blocks"
+    # Cotangents as the model gives them: zero on padding rows (nothing reads them back).
+    dy_BkbF = to_blocks(jax.random.normal(jax.random.key(0), (x.shape[0], 48)), layout)
+    e, c = layout.expert_Bk, layout.blocks_E
+    y_ref, vjp = jax.vjp(lambda x, w: block_matmul(x, w, e, c), x_BkbZ, w)  # MOEJAX_GROUPED unset on CPU: XLA
+    dx_ref, dw_ref = vjp(dy_BkbF)
+    run = lambda f, *a: jax.jit(lambda *a: f(*a, tiles=SMALL, interpret=True))(*a)
+    np.testing.assert_allclose(run(grouped_gpu.matmul, x_BkbZ, w, e, c), y_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
+    np.testing.assert_allclose(run(grouped_gpu.matmul_dx, dy_BkbF, w, e, c), dx_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
+    np.testing.assert_allclose(run(grouped_gpu.matmul_dw, x_BkbZ, dy_BkbF, c), dw_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+def test_shapes_the_kernels_dont_take_stay_on_xla(kernel):
+    """Blocks under 16 rows or widths that aren't whole power-of-two tiles: the einsums, same values."""
+    assert grouped_gpu.fits(16, 32, 64) and grouped_gpu.fits(128, 512, 512) and grouped_gpu.fits(128, 3072, 1024)
+    assert not grouped_gpu.fits(8, 32, 64) and not grouped_gpu.fits(16, 24, 64) and not grouped_gpu.fits(16, 32, 8)
+    x, expert_A, ws, _ = _problem(5, UNALIGNED, Z=32, F=64)
+    swiglu = lambda block: lambda x, w: grouped_swiglu(x, expert_A, w, *ws[1:], block_size=block)
+    assert not _uses_kernel(swiglu(8), x, ws[0])
+    assert _uses_kernel(swiglu(16), x, ws[0])
