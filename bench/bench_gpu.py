@@ -37,7 +37,7 @@ import numpy as np
 
 from moejax import accounting
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
-from moejax.model.kernel_choice import chosen, kernel_impl
+from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak
@@ -107,7 +107,7 @@ def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:
 
 def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) -> dict:
     if path == "local-xla":  # the choice is read at trace time, i.e. in the first (compiling) step
-        with chosen("MOEJAX_GROUPED", "xla"):
+        with chosen(GROUPED[0], "xla"):
             return dict(run_case(cfg, "local", steps, peak, profile), path=path)
     backend = "local" if path.startswith("local") else "ep"
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
@@ -160,7 +160,7 @@ def main() -> int:
     peak = peak_info["peak_flops"]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
-          f"{kernel_impl('MOEJAX_ATTENTION', 'attention')}, grouped GEMM {kernel_impl('MOEJAX_GROUPED', 'grouped GEMM')}",
+          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)}",
           flush=True)
     shapes = {"G": shape_g, "d1024": rung_d1024}
     results = []

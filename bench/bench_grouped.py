@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.model.kernel_choice import chosen
+from moejax.model.kernel_choice import GROUPED, chosen
 from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, make_layout, to_blocks
 
 
@@ -44,7 +44,7 @@ def fwd_bwd(fn, grouped: str | None = None):
         return jax.jit(f)
 
     def under_choice(*args):
-        with chosen("MOEJAX_GROUPED", grouped):
+        with chosen(GROUPED[0], grouped):
             return f(*args)
     return jax.jit(under_choice)
 

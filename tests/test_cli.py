@@ -53,6 +53,15 @@ def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("env_var", ["MOEJAX_ATTENTION", "MOEJAX_GROUPED"])
+def test_bad_kernel_choice_is_one_line_before_the_run_dir(env_var, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(env_var, "cuda")
+    assert main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"{env_var}='cuda' is not one of ('xla', 'gpu_kernel')" in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
 def test_short_training_run_and_different_run_refused(tmp_path):
     run = tmp_path / "run"  # passed relative to the working directory, as `make demo` does
     args = ["train", "--preset", "tiny", "--run-dir", "run", "--steps", "6", "--no-progress",

@@ -1,11 +1,15 @@
 """The GPU grouped-GEMM kernels (moejax.model.moe.grouped_gpu), run by the Pallas interpreter on CPU, equal
 fp32 references and the XLA block path: values and every gradient, unaligned groups, empty experts, E=384."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.config import ConfigError
+from moejax.model.kernel_choice import GROUPED, chosen, kernel_impl
 from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import block_matmul, grouped_swiglu, make_layout, to_blocks
 from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem, per_row_reference
@@ -91,3 +95,14 @@ def test_shapes_the_kernels_dont_take_stay_on_xla(kernel):
     swiglu = lambda block: lambda x, w: grouped_swiglu(x, expert_A, w, *ws[1:], block_size=block)
     assert not _uses_kernel(swiglu(8), x, ws[0])
     assert _uses_kernel(swiglu(16), x, ws[0])
+
+
+def test_grouped_choice_defaults_to_xla_off_gpu_and_chosen_restores(monkeypatch):
+    monkeypatch.delenv("MOEJAX_GROUPED", raising=False)
+    assert kernel_impl(*GROUPED) == ("gpu_kernel" if jax.default_backend() == "gpu" else "xla")
+    with chosen("MOEJAX_GROUPED", "gpu_kernel"):
+        assert kernel_impl(*GROUPED) == "gpu_kernel"
+    assert "MOEJAX_GROUPED" not in os.environ
+    with pytest.raises(ConfigError, match="'triton' is not one of"):
+        with chosen("MOEJAX_GROUPED", "triton"):
+            pass

@@ -201,11 +201,13 @@ def _init_distributed(args) -> None:
 
 def _cmd_train(args) -> int:
     from moejax.metrics import check_wandb
+    from moejax.model.kernel_choice import check_choices
     from moejax.train.loop import RunOptions, train
 
     cfg = _resolve(args)
     check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
+    check_choices()  # MOEJAX_ATTENTION / MOEJAX_GROUPED: before the run directory exists
     cfg = _default_mesh(cfg, args)
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",

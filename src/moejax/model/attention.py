@@ -40,7 +40,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
 from moejax.model.flash_gpu import flash_attention
-from moejax.model.kernel_choice import kernel_impl
+from moejax.model.kernel_choice import ATTENTION, kernel_impl
 from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
 XSA_EPS = 1e-6
@@ -80,7 +80,7 @@ def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: in
 
 def attention_impl() -> str:
     """'gpu_kernel' on a single-GPU backend, else 'xla'; MOEJAX_ATTENTION chooses explicitly (`kernel_choice`)."""
-    return kernel_impl("MOEJAX_ATTENTION", "attention")
+    return kernel_impl(*ATTENTION)
 
 
 def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B K"], q_pos: Int[Array, "Q"], k_pos: Int[Array, "K"],

@@ -13,6 +13,8 @@ import os
 
 import jax
 
+from moejax.config import ConfigError
+
 IMPLS = ("xla", "gpu_kernel")
 
 
@@ -20,13 +22,13 @@ def kernel_impl(env_var: str, what: str) -> str:
     """'gpu_kernel' or 'xla' for the op `what`, by the rule above."""
     chosen = os.environ.get(env_var) or None
     if chosen is not None and chosen not in IMPLS:
-        raise ValueError(f"{env_var}={chosen!r} is not one of {IMPLS}")
+        raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS}")
     if chosen:
         return chosen
     if jax.default_backend() != "gpu":
         return "xla"
     if jax.device_count() > 1:  # GSPMD cannot partition the kernel's custom call: it would run replicated
-        raise ValueError(f"the fused {what} kernel is single-device ({jax.device_count()} GPUs here): set "
+        raise ConfigError(f"the fused {what} kernel is single-device ({jax.device_count()} GPUs here): set "
                          f"{env_var}=xla, or ={IMPLS[1]} to accept a replicated kernel")
     return "gpu_kernel"
 
@@ -36,7 +38,7 @@ def chosen(env_var: str, impl: str):
     """Within the block, `env_var` chooses `impl` (benchmarks A/B both paths in one process; the choice is
     read when a function is traced, so trace, i.e. call a fresh jit, inside the block)."""
     if impl not in IMPLS:
-        raise ValueError(f"{env_var}={impl!r} is not one of {IMPLS}")
+        raise ConfigError(f"{env_var}={impl!r} is not one of {IMPLS}")
     before = os.environ.get(env_var)
     os.environ[env_var] = impl
     try:
@@ -46,3 +48,15 @@ def chosen(env_var: str, impl: str):
             os.environ.pop(env_var)
         else:
             os.environ[env_var] = before
+
+
+# Every op with a GPU kernel: (environment variable, what the error calls it).
+ATTENTION = ("MOEJAX_ATTENTION", "attention")
+GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
+KERNEL_OPS = (ATTENTION, GROUPED)
+
+
+def check_choices() -> None:
+    """Raise the ConfigError a bad or missing choice would raise mid-trace, before a run starts."""
+    for env_var, what in KERNEL_OPS:
+        kernel_impl(env_var, what)

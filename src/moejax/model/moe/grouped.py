@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from moejax.model.kernel_choice import kernel_impl
+from moejax.model.kernel_choice import GROUPED, kernel_impl
 from moejax.model.layers import pytree_dataclass
 from moejax.model.moe import grouped_gpu
 
@@ -145,7 +145,7 @@ def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Ar
 def _kernel(x_BkbZ, w_EZF) -> dict | None:
     """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, the
     `kernel_choice` rule, and a shape they take), else None. Off GPU a chosen kernel runs interpreted."""
-    if kernel_impl("MOEJAX_GROUPED", "grouped GEMM") != "gpu_kernel":
+    if kernel_impl(*GROUPED) != "gpu_kernel":
         return None
     if not grouped_gpu.fits(x_BkbZ.shape[1], *w_EZF.shape[1:]):
         return None  # e.g. the small blocks of a small eval batch: the XLA path, same values
