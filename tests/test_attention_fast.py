@@ -182,7 +182,7 @@ def test_layer_through_the_kernel_equals_xla(monkeypatch):
     cfg, p, x, pos = _layer_setup()
     cfg = replace(cfg, attn_q_block=4)
     want = _layer_grads(cfg, p, x, pos, False)
-    interp = lambda q, k, v, seg, scale, window: flash_attention(q, k, v, seg, scale, window, KERNEL_BLOCKS, True)
+    interp = lambda q, k, v, seg, scale, window, *_: flash_attention(q, k, v, seg, scale, window, KERNEL_BLOCKS, True)
     monkeypatch.setattr(attn, "flash_attention", interp)
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     v_k, g_k = _layer_grads(cfg, p, x, pos, False)

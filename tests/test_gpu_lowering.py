@@ -3,14 +3,22 @@ an abstract H200 device): Pallas's Triton lowering rules accept every op, ref in
 use, at the shapes of issue 11's shape G. What this cannot check is Triton's own compile to PTX, which
 runs inside XLA on a GPU (`bench/bench_gpu.py` does that)."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
+from moejax.model import kernel_choice
 from moejax.model.flash_gpu import flash_attention
 from moejax.model.moe import grouped_gpu
+from moejax.presets import TINY
+from moejax.train.optimizer import make_optimizer
+from moejax.train.state import init_state
+from moejax.train.step import make_train_step
+from tests.helpers import toy_batch, toy_model
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -47,3 +55,22 @@ def test_flash_attention_lowers_to_triton(window):
     grads = lambda q, k, v, s: jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, s, 0.1, window)),
                                         argnums=(0, 1, 2))(q, k, v)
     assert _triton_calls(grads, q, kv, kv, seg) == 3
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])
+def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
+    """The whole train step (hero optimizer, bf16, unrolled layers) lowered for CUDA with both kernels
+    chosen runs every layer's attention and expert matmuls through Triton: per layer, attention forward +
+    dq + dkv and the three expert matmuls' forward + dx + dw; remat reruns the four forwards."""
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setattr(kernel_choice, "run_interpreted", lambda: False)  # as on a GPU: Triton, not the interpreter
+    model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
+                      shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
+    cfg = replace(TINY, model=model, train=replace(TINY.train, batch_size=2, seq_len=64))
+    optimizer, lr_fn = make_optimizer(cfg)
+    state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
+    batch = jax.eval_shape(lambda: toy_batch(model, batch=2, seq=64, doc_lens=((20, 44), (64,))))
+    step = make_train_step(model, optimizer, lr_fn, remat=remat, scan_layers=False)
+    per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
+    assert _triton_calls(step, state, batch) == model.n_layers * per_layer

@@ -39,7 +39,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
-from moejax.model.flash_gpu import flash_attention
+from moejax.model.flash_gpu import FlashBlocks, flash_attention
+from moejax.model import kernel_choice
 from moejax.model.kernel_choice import ATTENTION, kernel_impl
 from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
@@ -265,7 +266,7 @@ def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positio
     if context > 1:  # XLA only: the kernel is single-device, and CP needs several devices to be useful
         out = attend_context(q, k, v, segment_ids, window, scale, cfg.attn_q_block, context, head_map)
     elif attention_impl() == "gpu_kernel":
-        out = flash_attention(q, k, v, segment_ids, scale, window)
+        out = flash_attention(q, k, v, segment_ids, scale, window, FlashBlocks(), kernel_choice.run_interpreted())
     else:
         out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
     return xsa(out, v[:, :, head_map])

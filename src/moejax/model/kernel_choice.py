@@ -2,7 +2,7 @@
 
 One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED): the
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a single-GPU backend gets the
-kernel and everything else XLA. With several GPUs and no choice it raises: the kernels are single-device
+kernel and everything else XLA; a kernel chosen off GPU runs interpreted. With several GPUs and no choice it raises: the kernels are single-device
 custom calls that GSPMD would run replicated, silently slow, so the user has to say which they want.
 """
 
@@ -48,6 +48,13 @@ def chosen(env_var: str, impl: str):
             os.environ.pop(env_var)
         else:
             os.environ[env_var] = before
+
+
+def run_interpreted() -> bool:
+    """Whether a chosen GPU kernel runs through the Pallas interpreter: off GPU (CPU tests, or a user who
+    sets gpu_kernel on CPU: same values, slowly). Callers look it up on the module, so a test that lowers
+    for CUDA on a CPU machine can patch it."""
+    return jax.default_backend() != "gpu"
 
 
 # Every op with a GPU kernel: (environment variable, what the error calls it).

@@ -102,16 +102,17 @@ def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Arr
     x = embed(params, tokens, cfg)
     hook = layer_hook or drop_token_stats
 
-    def body(x, layer):
-        blk, is_global = layer
+    def block(x, blk, is_global):
         h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg, context)
         x = x + h
         h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed, context)
         return x + h, hook(stats)
 
     if remat:  # recompute the block in the backward pass, except the transport's all-to-all results
-        body = jax.checkpoint(body, policy=REMAT_POLICY)
-    x, stats = run_layers(body, x, params.blocks, cfg.global_layers, scan_layers)
+        # Unrolled, is_global stays a static Python bool: traced, it would put both attention kinds
+        # under a lax.cond in every layer.
+        block = jax.checkpoint(block, policy=REMAT_POLICY, static_argnums=() if scan_layers else (2,))
+    x, stats = run_layers(lambda x, layer: block(x, *layer), x, params.blocks, cfg.global_layers, scan_layers)
     return params.final_norm(x, cfg.norm_eps), stats
 
 

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from moejax.model import kernel_choice
 from moejax.model.kernel_choice import GROUPED, kernel_impl
 from moejax.model.layers import pytree_dataclass
 from moejax.model.moe import grouped_gpu
@@ -149,7 +150,7 @@ def _kernel(x_BkbZ, w_EZF) -> dict | None:
         return None
     if not grouped_gpu.fits(x_BkbZ.shape[1], *w_EZF.shape[1:]):
         return None  # e.g. the small blocks of a small eval batch: the XLA path, same values
-    return dict(interpret=jax.default_backend() != "gpu")
+    return dict(interpret=kernel_choice.run_interpreted())
 
 
 @jax.custom_vjp
