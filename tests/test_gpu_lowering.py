@@ -14,7 +14,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from moejax.model import kernel_choice
 from moejax.model.flash_gpu import flash_attention
 from moejax.model.moe import grouped_gpu
-from moejax.presets import TINY
+from moejax.config import ParallelConfig
+from moejax.presets import TINY, ladder_rung
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
@@ -74,3 +75,23 @@ def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
     step = make_train_step(model, optimizer, lr_fn, remat=remat, scan_layers=False)
     per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
     assert _triton_calls(step, state, batch) == model.n_layers * per_layer
+
+
+def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
+    """The real d1024 rung (384 experts, scanned layers, remat, memory settings) at issue 11's 8 x 4096
+    tokens: both kernels take its shapes (abstract shapes: nothing is allocated)."""
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setattr(kernel_choice, "run_interpreted", lambda: False)
+    cfg = ladder_rung(1024)
+    cfg = replace(cfg, train=replace(cfg.train, batch_size=8, remat=True), parallel=ParallelConfig())
+    optimizer, lr_fn = make_optimizer(cfg)
+    state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    batch = {k: _spec(shape, jnp.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
+    batch["loss_mask"] = _spec(shape, jnp.bool_)
+    step = make_train_step(cfg.model, optimizer, lr_fn, remat=True, scan_layers=cfg.train.scan_layers)
+    # One scanned body: both attention kinds under the lax.cond (forward + remat forward each), three expert
+    # matmuls (forward + remat forward, dx, dw).
+    assert cfg.model.n_experts == 384 and cfg.train.scan_layers
+    assert _triton_calls(step, state, batch) == 2 * (2 + 1 + 1) + 3 * (2 + 1 + 1)
