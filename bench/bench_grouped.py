@@ -7,6 +7,8 @@ credited). Rows:
   gather back), per block size (the default block for this shape is always included);
 - block matmul only: the default block, with the layout built and rows blocked outside the timed function,
   on the XLA einsums and (`--kernel`, default on GPU) on the Pallas kernels of `grouped_gpu`;
+- kernels fwd + dx + dw only (`--kernel`): the three kernels on the same blocks at each of `--tiles`
+  (output x contraction tile; the weight-gradient tile the same), to pick `GemmTiles` on a GPU;
 - ragged_dot: rows pre-sorted by expert, group sizes given (E x emulated on CPU and GPU);
 - dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
 grouped / dense is the issue-11 target (>= 60% on GPU). Times are the median of --reps after one warm-up
@@ -27,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.model import kernel_choice
 from moejax.model.kernel_choice import GROUPED, chosen
+from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, make_layout, to_blocks
 
 
@@ -93,6 +97,14 @@ def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
     for impl in ("xla", "gpu_kernel") if a.kernel else ("xla",):
         out.append((f"block matmul only, {impl}, b={layout.block}, {layout.n_blocks} blocks",
                     fwd_bwd(lambda x, w, e, c: block_matmul(x, w, e, c), grouped=impl), block_args))
+    for tiles in a.tiles if a.kernel else ():
+        t = grouped_gpu.GemmTiles(tn=tiles[0], tk=tiles[1], tz=tiles[0], tf=tiles[1])
+
+        def three_kernels(x, w, dy, e, c, t=t):
+            kw = dict(tiles=t, interpret=kernel_choice.run_interpreted())
+            return (grouped_gpu.matmul(x, w, e, c, **kw), grouped_gpu.matmul_dx(dy, w, e, c, **kw),
+                    grouped_gpu.matmul_dw(x, dy, c, **kw))
+        out.append((f"kernels fwd + dx + dw only, tiles {tiles[0]}x{tiles[1]}", jax.jit(three_kernels), block_args))
     if a.ragged:
         sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
         out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))
@@ -112,6 +124,9 @@ def main() -> None:
     ap.add_argument("--no-ragged", dest="ragged", action="store_false", help="skip ragged_dot (slow on CPU)")
     ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=jax.default_backend() == "gpu",
                     help="also time the Pallas grouped-GEMM kernels (default on GPU; interpreted, slowly, on CPU)")
+    ap.add_argument("--tiles", nargs="*", default=["64x64", "128x64", "64x128", "128x128"],
+                    type=lambda s: tuple(int(v) for v in s.split("x")),
+                    help="with --kernel: also time the three kernels alone at these output x contraction tiles")
     if jax.default_backend() == "gpu":  # issue 11's GPU shape
         ap.set_defaults(**GPU_DEFAULTS)
     a = ap.parse_args()
