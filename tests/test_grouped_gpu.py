@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
+from moejax.model import kernel_choice
 from moejax.model.kernel_choice import GROUPED, chosen, kernel_impl
 from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import block_matmul, grouped_swiglu, make_layout, to_blocks
@@ -28,7 +29,11 @@ def kernel(monkeypatch):
 
 
 def _uses_kernel(fn, *args) -> bool:
-    return "pallas_call" in str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1)))(*args))
+    """Whether fn's forward and gradient run every grouped kernel (forward, dx and dw), none on the einsums."""
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1)))(*args))
+    counts = [jaxpr.count(f"name={name}\n") for name in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_dw")]
+    assert len(set(counts)) == 1, f"kernel calls fwd/dx/dw {counts}: part of the path fell back"
+    return counts[0] > 0
 
 
 def _swiglu_vs_reference(x, expert_A, ws, ct, block, rtol, atol):
@@ -45,6 +50,11 @@ def _swiglu_vs_reference(x, expert_A, ws, ct, block, rtol, atol):
 
 def test_kernel_swiglu_unaligned_groups_with_empty_experts(kernel):
     _swiglu_vs_reference(*_problem(0, UNALIGNED, Z=32, F=64), 16, RTOL_FP32, ATOL_FP32)
+
+
+def test_kernel_swiglu_last_expert_empty(kernel):
+    """The tail blocks carry expert E-1's id; with E-1 empty none of them may reach its weight gradient."""
+    _swiglu_vs_reference(*_problem(0, UNALIGNED + [0], Z=32, F=64), 16, RTOL_FP32, ATOL_FP32)
 
 
 def test_kernel_swiglu_384_experts(kernel):
@@ -87,14 +97,31 @@ def test_kernels_equal_xla_block_path_with_several_tiles():
     np.testing.assert_allclose(run(grouped_gpu.matmul_dw, x_BkbZ, dy_BkbF, c), dw_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
 
 
-def test_shapes_the_kernels_dont_take_stay_on_xla(kernel):
-    """Blocks under 16 rows or widths that aren't whole power-of-two tiles: the einsums, same values."""
+def test_shapes_the_kernels_dont_take_are_an_error(kernel):
+    """No silent fall back to the einsums: widths that aren't whole tiles fail with the numbers; small
+    inputs get blocks of at least 16 rows, the kernels' minimum (the XLA path would use 8)."""
     assert grouped_gpu.fits(16, 32, 64) and grouped_gpu.fits(128, 512, 512) and grouped_gpu.fits(128, 3072, 1024)
     assert not grouped_gpu.fits(8, 32, 64) and not grouped_gpu.fits(16, 24, 64) and not grouped_gpu.fits(16, 32, 8)
-    x, expert_A, ws, _ = _problem(5, UNALIGNED, Z=32, F=64)
-    swiglu = lambda block: lambda x, w: grouped_swiglu(x, expert_A, w, *ws[1:], block_size=block)
-    assert not _uses_kernel(swiglu(8), x, ws[0])
-    assert _uses_kernel(swiglu(16), x, ws[0])
+    x, expert_A, ws, _ = _problem(5, UNALIGNED, Z=24, F=64)
+    with pytest.raises(ConfigError, match="width 24 is not whole tiles"):
+        grouped_swiglu(x, expert_A, *ws)
+    x, expert_A, ws, _ = _problem(5, [3, 0, 2, 1], Z=32, F=64)  # 6 rows over 4 experts: default_block -> 8 on XLA
+    assert make_layout(expert_A, 4).block == 16
+    assert _uses_kernel(lambda x, w: grouped_swiglu(x, expert_A, w, *ws[1:]), x, ws[0])
+    with pytest.raises(ValueError, match="float32 and weights bfloat16 differ"):
+        layout = make_layout(expert_A, 4)
+        grouped_gpu.matmul(to_blocks(x, layout), ws[0].astype(jnp.bfloat16), layout.expert_Bk, layout.blocks_E,
+                           interpret=True)
+
+
+def test_multi_gpu_without_a_choice_is_an_error(monkeypatch):
+    monkeypatch.delenv("MOEJAX_GROUPED", raising=False)
+    monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernel_choice.jax, "device_count", lambda: 8)
+    with pytest.raises(ConfigError, match="single-device .8 GPUs here.: set MOEJAX_GROUPED=xla"):
+        kernel_impl(*GROUPED)
+    monkeypatch.setenv("MOEJAX_GROUPED", "xla")
+    assert kernel_impl(*GROUPED) == "xla"
 
 
 def test_grouped_choice_defaults_to_xla_off_gpu_and_chosen_restores(monkeypatch):

@@ -2,8 +2,9 @@
 
 One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED): the
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a single-GPU backend gets the
-kernel and everything else XLA; a kernel chosen off GPU runs interpreted. With several GPUs and no choice it raises: the kernels are single-device
-custom calls that GSPMD would run replicated, silently slow, so the user has to say which they want.
+kernel and everything else XLA; a kernel chosen off GPU runs interpreted. With several GPUs and no choice
+it raises: the kernels are single-device custom calls that GSPMD would run replicated, silently slow, so
+the user has to say which they want (expert-parallel runs too: their evals take the dropless local path).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def kernel_impl(env_var: str, what: str) -> str:
         return "xla"
     if jax.device_count() > 1:  # GSPMD cannot partition the kernel's custom call: it would run replicated
         raise ConfigError(f"the fused {what} kernel is single-device ({jax.device_count()} GPUs here): set "
-                         f"{env_var}=xla, or ={IMPLS[1]} to accept a replicated kernel")
+                          f"{env_var}=xla (also for expert-parallel runs, whose evals use the local path), or "
+                          f"={IMPLS[1]} to accept a replicated kernel")
     return "gpu_kernel"
 
 

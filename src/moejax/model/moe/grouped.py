@@ -30,8 +30,8 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
 
 On one GPU the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
 `grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary);
-MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). Shapes the kernels don't take (blocks
-under 16 rows, widths not whole tiles) stay on the einsums.
+MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
+least 16 rows; widths that aren't whole tiles are a one-line error, not a silent fall back.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from moejax.config import ConfigError
 from moejax.model import kernel_choice
 from moejax.model.kernel_choice import GROUPED, kernel_impl
 from moejax.model.layers import pytree_dataclass
@@ -78,19 +79,24 @@ class BlockLayout:
         return self.row_Pd.shape[0] // self.expert_Bk.shape[0]
 
 
-def default_block(n_rows: int, n_experts: int) -> int:
-    """BLOCK_SIZE, halved while the worst-case padding E*b exceeds MAX_PAD_FRACTION of the rows."""
+def default_block(n_rows: int, n_experts: int, min_block: int = MIN_BLOCK) -> int:
+    """BLOCK_SIZE, halved (down to min_block) while the worst-case padding E*b exceeds MAX_PAD_FRACTION of
+    the rows."""
     b = BLOCK_SIZE
-    while b > MIN_BLOCK and n_experts * b > MAX_PAD_FRACTION * n_rows:
+    while b > min_block and n_experts * b > MAX_PAD_FRACTION * n_rows:
         b //= 2
     return b
 
 
+def _kernel_chosen() -> bool:
+    return kernel_impl(*GROUPED) == "gpu_kernel"
+
+
 def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | None = None) -> BlockLayout:
     """Sort rows by expert (stable: source order inside an expert) and pad each expert to whole blocks of
-    block_size rows (None: `default_block`)."""
+    block_size rows (None: `default_block`, no smaller than the GPU kernels' minimum when they run)."""
     (n_rows,) = expert_A.shape
-    b = block_size or default_block(n_rows, n_experts)
+    b = block_size or default_block(n_rows, n_experts, grouped_gpu.MIN_TILE if _kernel_chosen() else MIN_BLOCK)
     n_blocks = max(1, (n_rows + n_experts * (b - 1)) // b)
     order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> source row
     expert_sorted_A = expert_A[order_A]
@@ -144,19 +150,24 @@ def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Ar
 
 
 def _kernel(x_BkbZ, w_EZF) -> dict | None:
-    """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, the
-    `kernel_choice` rule, and a shape they take), else None. Off GPU a chosen kernel runs interpreted."""
-    if kernel_impl(*GROUPED) != "gpu_kernel":
+    """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, by the
+    `kernel_choice` rule), else None. Off GPU a chosen kernel runs interpreted. A shape the kernels can't
+    take is an error, not a quiet fall back to the einsums."""
+    if not _kernel_chosen():
         return None
-    if not grouped_gpu.fits(x_BkbZ.shape[1], *w_EZF.shape[1:]):
-        return None  # e.g. the small blocks of a small eval batch: the XLA path, same values
+    problem = grouped_gpu.shape_problem(x_BkbZ.shape[1], *w_EZF.shape[1:])
+    if problem:
+        raise ConfigError(f"the grouped-GEMM GPU kernel can't take this model: {problem} (latent_width and "
+                          f"expert_width must be multiples of {grouped_gpu.MIN_TILE}); set MOEJAX_GROUPED=xla")
     return dict(interpret=kernel_choice.run_interpreted())
 
 
 @jax.custom_vjp
 def block_matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], expert_Bk: Int[Array, "Bk"],
                  blocks_E: Int[Array, "E"]) -> Float[Array, "Bk b F"]:
-    """y[n] = x[n] @ w[expert_Bk[n]] for every block n (blocks_E: the layout's, read by the GPU kernel)."""
+    """y[n] = x[n] @ w[expert_Bk[n]] for every block n whose rows are real; padding rows and the layout's
+    tail blocks must hold zeros (as `to_blocks` and its backward give them): the GPU kernels skip the tail,
+    which the einsums compute. blocks_E: the layout's, read by the GPU kernels."""
     kernel = _kernel(x_BkbZ, w_EZF)
     if kernel is not None:
         return grouped_gpu.matmul(x_BkbZ, w_EZF, expert_Bk, blocks_E, **kernel)

@@ -10,16 +10,19 @@ no scalar prefetch for index maps) and accumulate the weight gradient of each ex
 in registers, so the only HBM traffic is the operands and the results.
 
 Three kernels, one per matmul of a block GEMM's forward and backward:
-- `_rows_kernel`, grid (Bk, out_cols / tn): y[n] = x[n] @ w[e_n] (forward) or dy[n] @ w[e_n]^T (dx), the
+- `_rows_kernel`, grid (out_cols / tn, Bk): y[n] = x[n] @ w[e_n] (forward) or dy[n] @ w[e_n]^T (dx), the
   contraction chunked by tk in a loop. Blocks past the last used one (the layout's static tail) loop zero
   times and write zeros.
-- `_wgrad_kernel`, grid (E, Z / tz, F / tf): dw[e] = sum over e's blocks of x[n]^T dy[n], fp32; an expert
+- `_wgrad_kernel`, grid (Z / tz, F / tf, E): dw[e] = sum over e's blocks of x[n]^T dy[n], fp32; an expert
   with no rows writes zeros.
-Values are the XLA path's: fp32 accumulation, outputs in the operands' dtype, weight gradient in fp32.
-`interpret=True` runs the same kernels through the Pallas interpreter (CPU tests; `block_matmul_kernel`
-picks it off GPU). Tile sizes are untuned defaults (Triton wants powers of two >= 16); `fits` says
-whether a shape can use them. Only plain ref indexing, lax.dot_general and lax.fori_loop are used, so the
-kernels lower on jax 0.10 and 0.11 alike.
+The block (expert) axis is the grid's last: Triton runs axis 0 fastest, so one block's (expert's) tiles
+run back to back and share its rows in L2 instead of refetching them per tile.
+Contract (what `grouped.to_blocks` and its backward give): padding rows and the tail blocks hold zeros, so
+skipping the tail changes nothing. Values are the XLA path's: fp32 accumulation, outputs in the operands'
+(common) dtype, weight gradient in fp32. `interpret=True` runs the same kernels through the Pallas
+interpreter (CPU tests; `grouped.block_matmul` picks it off GPU). Tile sizes are untuned defaults
+(`bench/bench_grouped.py --tiles` on a GPU); `shape_problem` says why a shape can't use them. Only plain ref
+indexing, lax.dot_general and lax.fori_loop are used, so the kernels lower on jax 0.10 and 0.11 alike.
 """
 
 from __future__ import annotations
@@ -46,17 +49,37 @@ class GemmTiles:
     num_stages: int = 2
 
 
-def _pow2_at_least_16(n: int) -> bool:
-    return n >= 16 and not n & (n - 1)
+# Triton's tiles (and so blocks) must be powers of two, and its dots at least 16 on each side.
+MIN_TILE = 16
+
+
+def _pow2_tile(n: int) -> bool:
+    return n >= MIN_TILE and not n & (n - 1)
+
+
+def shape_problem(block: int, z: int, f: int, tiles: GemmTiles = GemmTiles()) -> str | None:
+    """Why the kernels can't take blocks of `block` rows from width z to width f with `tiles`, or None."""
+    if not _pow2_tile(block):
+        return f"block of {block} rows is not a power of two >= {MIN_TILE}"
+    for name, t, d in (("tn", tiles.tn, f), ("tk", tiles.tk, z), ("tn", tiles.tn, z), ("tk", tiles.tk, f),
+                       ("tz", tiles.tz, z), ("tf", tiles.tf, f)):
+        if not _pow2_tile(min(t, d)) or d % min(t, d):
+            return f"width {d} is not whole tiles of {name}={min(t, d)} (a power of two >= {MIN_TILE})"
+    return None
 
 
 def fits(block: int, z: int, f: int, tiles: GemmTiles = GemmTiles()) -> bool:
-    """Whether the kernels take this shape: b a power of two >= 16 and the widths whole tiles."""
-    tile = lambda t, d: min(t, d)
-    return (_pow2_at_least_16(block)
-            and all(_pow2_at_least_16(tile(t, d)) and d % tile(t, d) == 0
-                    for t, d in ((tiles.tn, f), (tiles.tk, z), (tiles.tn, z), (tiles.tk, f), (tiles.tz, z),
-                                 (tiles.tf, f))))
+    return shape_problem(block, z, f, tiles) is None
+
+
+def _check(x, w, tiles: GemmTiles) -> None:
+    """Raise, with the numbers, on what the kernels would get wrong: partial tiles or mixed dtypes (Triton's
+    dot needs one element type; the interpreter would accept it)."""
+    problem = shape_problem(x.shape[1], w.shape[1], w.shape[2], tiles)
+    if problem:
+        raise ValueError(f"grouped GEMM kernel: {problem}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped GEMM kernel: operands {x.dtype} and weights {w.dtype} differ")
 
 
 def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
@@ -67,7 +90,7 @@ def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
 
 def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w: bool):
     """o = x @ w[e] (w [E, K, N]) or x @ w[e]^T (trans_w: w [E, N, K]) for one block's [b, tn] output tile."""
-    n, j = pl.program_id(0), pl.program_id(1)
+    j, n = pl.program_id(0), pl.program_id(1)
     e = expert_ref[n]
     tn = o_ref.shape[-1]
     cols = pl.ds(j * tn, tn)
@@ -84,7 +107,7 @@ def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w:
 
 def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref):
     """dw[e] tile = sum of x[n]^T dy[n] over expert e's blocks n (contiguous: the layout sorts them)."""
-    e, zi, fi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    zi, fi, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tz, tf = dw_ref.shape
     zs, fs = pl.ds(zi * tz, tz), pl.ds(fi * tf, tf)
     lo = first_ref[e]
@@ -95,15 +118,19 @@ def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref):
     dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32))
 
 
+def _whole(a) -> pl.BlockSpec:
+    """The whole array as one block: read in place, indexed inside the kernel."""
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+
+
 def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool):
     n_blocks, b, k = x_BkbK.shape
     tn, tk = min(tiles.tn, out_cols), min(tiles.tk, k)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)  # read in place, indexed in the kernel
     return pl.pallas_call(
         functools.partial(_rows_kernel, tk=tk, trans_w=trans_w),
-        grid=(n_blocks, out_cols // tn),
-        in_specs=[whole(expert_Bk), whole(used_Bk), pl.BlockSpec((None, b, k), lambda n, j: (n, 0, 0)), whole(w)],
-        out_specs=pl.BlockSpec((None, b, tn), lambda n, j: (n, 0, j)),
+        grid=(out_cols // tn, n_blocks),
+        in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, k), lambda j, n: (n, 0, 0)), _whole(w)],
+        out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
         out_shape=jax.ShapeDtypeStruct((n_blocks, b, out_cols), jnp.result_type(x_BkbK, w)),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_dx" if trans_w else "moejax_grouped_fwd",
@@ -118,6 +145,7 @@ def _used_blocks(expert_Bk, blocks_E):
 def matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], expert_Bk: Int[Array, "Bk"],
            blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b F"]:
     """y[n] = x[n] @ w[expert_Bk[n]]."""
+    _check(x_BkbZ, w_EZF, tiles)
     return _rows_call(x_BkbZ, w_EZF, expert_Bk, _used_blocks(expert_Bk, blocks_E), w_EZF.shape[2], False, tiles,
                       interpret)
 
@@ -125,6 +153,7 @@ def matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], expert_
 def matmul_dx(dy_BkbF: Float[Array, "Bk b F"], w_EZF: Float[Array, "E Z F"], expert_Bk: Int[Array, "Bk"],
               blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b Z"]:
     """dx[n] = dy[n] @ w[expert_Bk[n]]^T."""
+    _check(dy_BkbF, w_EZF, tiles)
     return _rows_call(dy_BkbF, w_EZF, expert_Bk, _used_blocks(expert_Bk, blocks_E), w_EZF.shape[1], True, tiles,
                       interpret)
 
@@ -133,14 +162,14 @@ def matmul_dw(x_BkbZ: Float[Array, "Bk b Z"], dy_BkbF: Float[Array, "Bk b F"], b
               tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "E Z F"]:
     """dw[e] = sum over e's blocks of x[n]^T dy[n], fp32 (blocks sorted by expert, blocks_E of each)."""
     z, f = x_BkbZ.shape[2], dy_BkbF.shape[2]
+    _check(x_BkbZ, jax.ShapeDtypeStruct((1, z, f), dy_BkbF.dtype), tiles)
     tz, tf = min(tiles.tz, z), min(tiles.tf, f)
     n_exp = blocks_E.shape[0]
     first_E = jnp.cumsum(blocks_E) - blocks_E
-    whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
     return pl.pallas_call(
-        _wgrad_kernel, grid=(n_exp, z // tz, f // tf),
-        in_specs=[whole(first_E), whole(blocks_E), whole(x_BkbZ), whole(dy_BkbF)],
-        out_specs=pl.BlockSpec((None, tz, tf), lambda e, zi, fi: (e, zi, fi)),
+        _wgrad_kernel, grid=(z // tz, f // tf, n_exp),
+        in_specs=[_whole(first_E), _whole(blocks_E), _whole(x_BkbZ), _whole(dy_BkbF)],
+        out_specs=pl.BlockSpec((None, tz, tf), lambda zi, fi, e: (e, zi, fi)),
         out_shape=jax.ShapeDtypeStruct((n_exp, z, f), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_dw",
