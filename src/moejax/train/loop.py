@@ -36,8 +36,7 @@ from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, read_metrics, to_py
-from moejax.model.moe.layer import routed_local_with_stats
-from moejax.parallel.backends import moe_backend
+from moejax.parallel.backends import local_backend, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
 from moejax.train.alarms import LOAD_KEY
@@ -191,7 +190,7 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
     step_fn = lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)
     eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, routed_local_with_stats, t.scan_layers))
+        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers))
     return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
                     jnp.asarray(data.bytes_per_token))
 
