@@ -101,9 +101,11 @@ def test_shapes_the_kernels_dont_take_are_an_error(kernel):
     """No silent fall back to the einsums: widths that aren't whole tiles fail with the numbers; small
     inputs get blocks of at least 16 rows, the kernels' minimum (the XLA path would use 8)."""
     assert grouped_gpu.fits(16, 32, 64) and grouped_gpu.fits(128, 512, 512) and grouped_gpu.fits(128, 3072, 1024)
+    assert grouped_gpu.fits(128, 192, 48)  # tiles 64 and 16: the largest powers of two dividing the widths
+    assert grouped_gpu.tile(128, 3072) == 128 and grouped_gpu.tile(128, 192) == 64 and grouped_gpu.tile(64, 48) == 16
     assert not grouped_gpu.fits(8, 32, 64) and not grouped_gpu.fits(16, 24, 64) and not grouped_gpu.fits(16, 32, 8)
     x, expert_A, ws, _ = _problem(5, UNALIGNED, Z=24, F=64)
-    with pytest.raises(ConfigError, match="width 24 is not whole tiles"):
+    with pytest.raises(ConfigError, match="width 24 has no tile"):
         grouped_swiglu(x, expert_A, *ws)
     x, expert_A, ws, _ = _problem(5, [3, 0, 2, 1], Z=32, F=64)  # 6 rows over 4 experts: default_block -> 8 on XLA
     assert make_layout(expert_A, 4).block == 16

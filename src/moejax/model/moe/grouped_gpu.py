@@ -40,12 +40,15 @@ from jaxtyping import Array, Float, Int
 
 @dataclasses.dataclass(frozen=True)
 class GemmTiles:
-    """Tile sizes and Triton launch parameters (untuned: no GPU was at hand to tune them)."""
-    tn: int = 64  # output columns per program (forward / dx)
+    """Largest tile sizes and Triton launch parameters. Each tile used is the largest power of two up to
+    these that divides its width (`tile`), so any width that is a multiple of 16 fits. Untuned (no GPU
+    was at hand): the common Triton GEMM shape of a 128 x 128 fp32 accumulator on 8 warps; 2 stages keep
+    dw's pipelined [b, 128] x and dy tiles (2 x 32 KB per stage in bf16) well inside shared memory."""
+    tn: int = 128  # output columns per program (forward / dx)
     tk: int = 64  # contraction chunk (forward / dx)
-    tz: int = 64  # weight-gradient tile rows (input width)
-    tf: int = 64  # weight-gradient tile columns (output width)
-    num_warps: int = 4
+    tz: int = 128  # weight-gradient tile rows (input width)
+    tf: int = 128  # weight-gradient tile columns (output width)
+    num_warps: int = 8
     num_stages: int = 2
 
 
@@ -57,14 +60,22 @@ def _pow2_tile(n: int) -> bool:
     return n >= MIN_TILE and not n & (n - 1)
 
 
+def tile(largest: int, width: int) -> int:
+    """The largest power of two <= `largest` that divides `width` (may be < MIN_TILE: then it can't)."""
+    t = 1
+    while t * 2 <= largest and width % (t * 2) == 0:
+        t *= 2
+    return t
+
+
 def shape_problem(block: int, z: int, f: int, tiles: GemmTiles = GemmTiles()) -> str | None:
     """Why the kernels can't take blocks of `block` rows from width z to width f with `tiles`, or None."""
     if not _pow2_tile(block):
         return f"block of {block} rows is not a power of two >= {MIN_TILE}"
     for name, t, d in (("tn", tiles.tn, f), ("tk", tiles.tk, z), ("tn", tiles.tn, z), ("tk", tiles.tk, f),
                        ("tz", tiles.tz, z), ("tf", tiles.tf, f)):
-        if not _pow2_tile(min(t, d)) or d % min(t, d):
-            return f"width {d} is not whole tiles of {name}={min(t, d)} (a power of two >= {MIN_TILE})"
+        if not _pow2_tile(tile(t, d)):
+            return f"width {d} has no tile {name} that is a power of two from {MIN_TILE} to {t} dividing it"
     return None
 
 
@@ -125,7 +136,7 @@ def _whole(a) -> pl.BlockSpec:
 
 def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool):
     n_blocks, b, k = x_BkbK.shape
-    tn, tk = min(tiles.tn, out_cols), min(tiles.tk, k)
+    tn, tk = tile(tiles.tn, out_cols), tile(tiles.tk, k)
     return pl.pallas_call(
         functools.partial(_rows_kernel, tk=tk, trans_w=trans_w),
         grid=(out_cols // tn, n_blocks),
@@ -163,7 +174,7 @@ def matmul_dw(x_BkbZ: Float[Array, "Bk b Z"], dy_BkbF: Float[Array, "Bk b F"], b
     """dw[e] = sum over e's blocks of x[n]^T dy[n], fp32 (blocks sorted by expert, blocks_E of each)."""
     z, f = x_BkbZ.shape[2], dy_BkbF.shape[2]
     _check(x_BkbZ, jax.ShapeDtypeStruct((1, z, f), dy_BkbF.dtype), tiles)
-    tz, tf = min(tiles.tz, z), min(tiles.tf, f)
+    tz, tf = tile(tiles.tz, z), tile(tiles.tf, f)
     n_exp = blocks_E.shape[0]
     first_E = jnp.cumsum(blocks_E) - blocks_E
     return pl.pallas_call(
