@@ -124,9 +124,9 @@ def main() -> None:
     ap.add_argument("--no-ragged", dest="ragged", action="store_false", help="skip ragged_dot (slow on CPU)")
     ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=jax.default_backend() == "gpu",
                     help="also time the Pallas grouped-GEMM kernels (default on GPU; interpreted, slowly, on CPU)")
-    ap.add_argument("--tiles", nargs="*", default=["64x64", "128x64", "64x128", "128x128"],
+    ap.add_argument("--tiles", nargs="*", default=[(64, 64), (128, 64), (64, 128), (128, 128)],
                     type=lambda s: tuple(int(v) for v in s.split("x")),
-                    help="with --kernel: also time the three kernels alone at these output x contraction tiles")
+                    help="with --kernel: also time the three kernels alone at these largest output x contraction tiles")
     if jax.default_backend() == "gpu":  # issue 11's GPU shape
         ap.set_defaults(**GPU_DEFAULTS)
     a = ap.parse_args()
