@@ -10,7 +10,7 @@ import pytest
 
 from moejax.config import ConfigError
 from moejax.model import kernel_choice
-from moejax.model.kernel_choice import GROUPED, chosen, kernel_impl
+from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
 from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import block_matmul, grouped_swiglu, make_layout, to_blocks
 from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem, per_row_reference
@@ -116,14 +116,18 @@ def test_shapes_the_kernels_dont_take_are_an_error(kernel):
                            interpret=True)
 
 
-def test_multi_gpu_without_a_choice_is_an_error(monkeypatch):
+def test_multi_gpu_choice(monkeypatch):
+    """On 8 GPUs the grouped GEMM (run per device by the local backend's shard_map) keeps its kernel;
+    attention, not wrapped yet, must be chosen explicitly."""
     monkeypatch.delenv("MOEJAX_GROUPED", raising=False)
+    monkeypatch.delenv("MOEJAX_ATTENTION", raising=False)
     monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernel_choice.jax, "device_count", lambda: 8)
-    with pytest.raises(ConfigError, match="single-device .8 GPUs here.: set MOEJAX_GROUPED=xla"):
-        kernel_impl(*GROUPED)
-    monkeypatch.setenv("MOEJAX_GROUPED", "xla")
-    assert kernel_impl(*GROUPED) == "xla"
+    assert kernel_impl(*GROUPED) == "gpu_kernel"
+    with pytest.raises(ConfigError, match="single-device .8 GPUs here.: set MOEJAX_ATTENTION=xla"):
+        kernel_impl(*ATTENTION)
+    monkeypatch.setenv("MOEJAX_ATTENTION", "xla")
+    assert kernel_impl(*ATTENTION) == "xla"
 
 
 def test_grouped_choice_defaults_to_xla_off_gpu_and_chosen_restores(monkeypatch):

@@ -2,9 +2,10 @@
 
 One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED): the
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a single-GPU backend gets the
-kernel and everything else XLA; a kernel chosen off GPU runs interpreted. With several GPUs and no choice
-it raises: the kernels are single-device custom calls that GSPMD would run replicated, silently slow, so
-the user has to say which they want (expert-parallel runs too: their evals take the dropless local path).
+kernel and everything else XLA; a kernel chosen off GPU runs interpreted. With several GPUs and no choice,
+an op whose caller runs it per device (the grouped GEMM: the local MoE backend is a shard_map over the
+batch shards) still gets its kernel; the others (attention, not yet wrapped) raise: a kernel is a
+single-device custom call that GSPMD would run replicated, silently slow, so the user has to say which.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from moejax.config import ConfigError
 IMPLS = ("xla", "gpu_kernel")
 
 
-def kernel_impl(env_var: str, what: str) -> str:
-    """'gpu_kernel' or 'xla' for the op `what`, by the rule above."""
+def kernel_impl(env_var: str, what: str, per_device: bool = False) -> str:
+    """'gpu_kernel' or 'xla' for the op `what`, by the rule above (`per_device`: its caller runs it under
+    shard_map, one device's data at a time)."""
     chosen = os.environ.get(env_var) or None
     if chosen is not None and chosen not in IMPLS:
         raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS}")
@@ -28,10 +30,9 @@ def kernel_impl(env_var: str, what: str) -> str:
         return chosen
     if jax.default_backend() != "gpu":
         return "xla"
-    if jax.device_count() > 1:  # GSPMD cannot partition the kernel's custom call: it would run replicated
+    if jax.device_count() > 1 and not per_device:  # GSPMD can't partition a custom call: it would replicate it
         raise ConfigError(f"the fused {what} kernel is single-device ({jax.device_count()} GPUs here): set "
-                          f"{env_var}=xla (also for expert-parallel runs, whose evals use the local path), or "
-                          f"={IMPLS[1]} to accept a replicated kernel")
+                          f"{env_var}=xla, or ={IMPLS[1]} to accept a replicated kernel")
     return "gpu_kernel"
 
 
@@ -59,13 +60,13 @@ def run_interpreted() -> bool:
     return jax.default_backend() != "gpu"
 
 
-# Every op with a GPU kernel: (environment variable, what the error calls it).
-ATTENTION = ("MOEJAX_ATTENTION", "attention")
-GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
+# Every op with a GPU kernel: (environment variable, what the error calls it, run per device).
+ATTENTION = ("MOEJAX_ATTENTION", "attention", False)
+GROUPED = ("MOEJAX_GROUPED", "grouped GEMM", True)
 KERNEL_OPS = (ATTENTION, GROUPED)
 
 
 def check_choices() -> None:
     """Raise the ConfigError a bad or missing choice would raise mid-trace, before a run starts."""
-    for env_var, what in KERNEL_OPS:
-        kernel_impl(env_var, what)
+    for op in KERNEL_OPS:
+        kernel_impl(*op)
