@@ -62,6 +62,18 @@ def test_bad_kernel_choice_is_one_line_before_the_run_dir(env_var, tmp_path, cap
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("env_var, override, words", [
+    ("MOEJAX_GROUPED", "model.latent_width=24", "MOEJAX_GROUPED=gpu_kernel: width 24 has no tile"),
+    ("MOEJAX_ATTENTION", "model.head_dim=24", "MOEJAX_ATTENTION=gpu_kernel: head_dim (24) is not a power of two"),
+])
+def test_model_a_chosen_kernel_cannot_take_is_one_line(env_var, override, words, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(env_var, "gpu_kernel")
+    assert main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()
+
+
 def test_short_training_run_and_different_run_refused(tmp_path):
     run = tmp_path / "run"  # passed relative to the working directory, as `make demo` does
     args = ["train", "--preset", "tiny", "--run-dir", "run", "--steps", "6", "--no-progress",

@@ -207,7 +207,7 @@ def _cmd_train(args) -> int:
     cfg = _resolve(args)
     check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
-    check_choices()  # MOEJAX_ATTENTION / MOEJAX_GROUPED: before the run directory exists
+    check_choices(cfg.model, cfg.train.seq_len)  # MOEJAX_ATTENTION / MOEJAX_GROUPED: before the run dir exists
     cfg = _default_mesh(cfg, args)
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",

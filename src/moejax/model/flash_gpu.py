@@ -147,16 +147,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _check(q, k, blocks: FlashBlocks, interpret: bool):
-    _, s, h, hd = q.shape
-    g = k.shape[2]
-    if h % g:
-        raise ValueError(f"flash attention: query heads ({h}) not divisible by KV heads ({g})")
+def shape_problem(seq: int, heads: int, kv_heads: int, head_dim: int, blocks: FlashBlocks = FlashBlocks(),
+                  interpret: bool = False) -> str | None:
+    """Why the kernel can't take this attention shape, or None."""
+    if heads % kv_heads:
+        return f"query heads ({heads}) not divisible by KV heads ({kv_heads})"
     for name, b in (("q", blocks.q), ("k", blocks.k), ("q_bwd", blocks.q_bwd), ("k_bwd", blocks.k_bwd)):
-        if s % min(b, s):
-            raise ValueError(f"flash attention: sequence length ({s}) not divisible by block {name} ({b})")
-    if not interpret and (hd < 16 or hd & (hd - 1)):
-        raise ValueError(f"flash attention on GPU needs head_dim a power of two >= 16 (got {hd})")
+        if seq % min(b, seq):
+            return f"sequence length ({seq}) not divisible by block {name} ({b})"
+    if not interpret and (head_dim < 16 or head_dim & (head_dim - 1)):
+        return f"head_dim ({head_dim}) is not a power of two >= 16 (Triton's tiles)"
+    return None
+
+
+def _check(q, k, blocks: FlashBlocks, interpret: bool):
+    problem = shape_problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], blocks, interpret)
+    if problem:
+        raise ValueError(f"flash attention: {problem}")
 
 
 def _specs(q, k, rows_q: int, rows_k: int, q_blocked: bool):

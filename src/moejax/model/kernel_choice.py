@@ -15,7 +15,9 @@ import os
 
 import jax
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, ModelConfig
+from moejax.model import flash_gpu
+from moejax.model.moe import grouped_gpu
 
 IMPLS = ("xla", "gpu_kernel")
 
@@ -66,7 +68,20 @@ GROUPED = ("MOEJAX_GROUPED", "grouped GEMM", True)
 KERNEL_OPS = (ATTENTION, GROUPED)
 
 
-def check_choices() -> None:
-    """Raise the ConfigError a bad or missing choice would raise mid-trace, before a run starts."""
+def check_choices(model: ModelConfig | None = None, seq_len: int | None = None) -> None:
+    """Raise, before a run starts, the ConfigError a bad or missing choice, or a model shape a chosen kernel
+    can't take, would raise mid-trace."""
     for op in KERNEL_OPS:
         kernel_impl(*op)
+    if model is None:
+        return
+    problems = []
+    if kernel_impl(*GROUPED) == "gpu_kernel":
+        problem = grouped_gpu.shape_problem(grouped_gpu.MIN_TILE, model.latent_width, model.expert_width)
+        problems += [f"{GROUPED[0]}=gpu_kernel: {problem} (model.latent_width {model.latent_width}, "
+                     f"model.expert_width {model.expert_width})"] if problem else []
+    if kernel_impl(*ATTENTION) == "gpu_kernel" and seq_len is not None:
+        problem = flash_gpu.shape_problem(seq_len, model.n_heads, model.n_kv_heads, model.head_dim)
+        problems += [f"{ATTENTION[0]}=gpu_kernel: {problem}"] if problem else []
+    if problems:
+        raise ConfigError("; ".join(problems) + " — fix the model, or set the variable to xla")
