@@ -47,10 +47,10 @@ import numpy as np  # noqa: E402
 
 from moejax.config import RunConfig  # noqa: E402
 from moejax.data.pipeline import make_data  # noqa: E402
-from moejax.drop_curve import (batch_shards, documents_per_shard, make_drop_measure, measure_drops,  # noqa: E402
+from moejax.drop_curve import (documents_per_shard, make_drop_measure, measure_drops,  # noqa: E402
                                replicate, set_router_bias, smallest_cf)
 from moejax.parallel.expert_parallel import transport_sizes  # noqa: E402
-from moejax.parallel.mesh import make_mesh  # noqa: E402
+from moejax.parallel.mesh import batch_shards, make_mesh  # noqa: E402
 from moejax.presets import TINY  # noqa: E402
 from moejax.train.loop import RunOptions, train  # noqa: E402
 from moejax.weights import load_run  # noqa: E402

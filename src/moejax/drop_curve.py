@@ -24,7 +24,6 @@ Notable choices:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -36,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from moejax.config import ModelConfig
 from moejax.model.transformer import Transformer, model_loss
 from moejax.parallel.expert_parallel import routed_expert_parallel
-from moejax.parallel.mesh import BATCH_AXES, REPLICATED, batch_sharding
+from moejax.parallel.mesh import REPLICATED, batch_sharding
 from moejax.train.step import qb_hook, with_router_bias
 
 MODEL_INPUTS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -112,10 +111,6 @@ def replicate(params: Transformer, mesh: Mesh) -> Transformer:
 def set_router_bias(params: Transformer, bias_LE: jax.Array) -> Transformer:
     """`params` routing with `bias_LE` (fp32), e.g. the QB bias a previous batch implied."""
     return with_router_bias(params, jnp.asarray(bias_LE, jnp.float32))
-
-
-def batch_shards(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def smallest_cf(cfs: list[float], drops: list[float], target: float) -> float | None:

@@ -39,8 +39,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
-from moejax.model.flash_gpu import FlashBlocks, flash_attention
 from moejax.model import kernel_choice
+from moejax.model.flash_gpu import FlashBlocks, flash_attention
 from moejax.model.kernel_choice import ATTENTION, kernel_impl
 from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 

@@ -75,13 +75,12 @@ def check_choices(model: ModelConfig | None = None, seq_len: int | None = None) 
         kernel_impl(*op)
     if model is None:
         return
-    problems = []
+    problems = {}
     if kernel_impl(*GROUPED) == "gpu_kernel":
-        problem = grouped_gpu.shape_problem(grouped_gpu.MIN_TILE, model.latent_width, model.expert_width)
-        problems += [f"{GROUPED[0]}=gpu_kernel: {problem} (model.latent_width {model.latent_width}, "
-                     f"model.expert_width {model.expert_width})"] if problem else []
+        problems[GROUPED[0]] = grouped_gpu.shape_problem(grouped_gpu.MIN_TILE, model.latent_width,
+                                                         model.expert_width)
     if kernel_impl(*ATTENTION) == "gpu_kernel" and seq_len is not None:
-        problem = flash_gpu.shape_problem(seq_len, model.n_heads, model.n_kv_heads, model.head_dim)
-        problems += [f"{ATTENTION[0]}=gpu_kernel: {problem}"] if problem else []
+        problems[ATTENTION[0]] = flash_gpu.shape_problem(seq_len, model.n_heads, model.n_kv_heads, model.head_dim)
+    problems = [f"{var}=gpu_kernel: {p}" for var, p in problems.items() if p]
     if problems:
         raise ConfigError("; ".join(problems) + " — fix the model, or set the variable to xla")

@@ -10,7 +10,6 @@ A new backend is one entry in BACKENDS.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Callable
 
@@ -20,7 +19,7 @@ from jax.sharding import Mesh
 from moejax.config import ConfigError, ParallelConfig
 from moejax.model.moe.layer import DropStats, RoutedFn, routed_local_with_stats
 from moejax.parallel.expert_parallel import routed_expert_parallel
-from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, REPLICATED
+from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, REPLICATED, batch_shards
 
 
 def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *,
@@ -46,7 +45,7 @@ def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w
 
 def local_backend(mesh: Mesh) -> RoutedFn:
     """The dropless local path for `mesh`: per batch shard when there are several."""
-    if math.prod(mesh.shape[a] for a in BATCH_AXES) == 1:
+    if batch_shards(mesh) == 1:
         return routed_local_with_stats
     return partial(routed_local_data_parallel, mesh=mesh)
 

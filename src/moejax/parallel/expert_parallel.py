@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.model.moe.experts import expert_mlp_batched
 from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, DropStats
-from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, EXPERT_AXIS, EXPERTS_SPEC, REPLICATED
+from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, EXPERT_AXIS, EXPERTS_SPEC, REPLICATED, batch_shards
 from moejax.parallel.transport_ops import combine_rows, gather_rows, rank_in_groups
 
 # Per-assignment transport outcome (debug output `status_TK`).
@@ -213,7 +213,7 @@ def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down
 
 def _layout(mesh: jax.sharding.Mesh, z_TZ, expert_TK, w_gate_EZF) -> tuple[int, int, int]:
     """(tokens per shard, expert shards X, local experts E_loc), validated."""
-    n_batch = math.prod(mesh.shape[a] for a in BATCH_AXES)
+    n_batch = batch_shards(mesh)
     n_shards, n_experts = mesh.shape[EXPERT_AXIS], w_gate_EZF.shape[0]
     if z_TZ.shape[0] % n_batch:
         raise ValueError(f"tokens ({z_TZ.shape[0]}) are not divisible by the batch shards ({n_batch})")

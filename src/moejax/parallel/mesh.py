@@ -95,6 +95,11 @@ def batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, BATCH_SPEC)
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces the batch (and so the tokens) is split into on `mesh`."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
 def mirror_shardings(tree, params, params_sharding, mesh: Mesh):
     """Shardings for a pytree that mirrors parameters (optimizer moments): each leaf takes the sharding of
     the parameter whose path is the longest suffix of its own path with the same shape; anything else

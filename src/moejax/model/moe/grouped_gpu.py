@@ -83,14 +83,14 @@ def fits(block: int, z: int, f: int, tiles: GemmTiles = GemmTiles()) -> bool:
     return shape_problem(block, z, f, tiles) is None
 
 
-def _check(x, w, tiles: GemmTiles) -> None:
+def _check(block: int, z: int, f: int, a_dtype, b_dtype, tiles: GemmTiles) -> None:
     """Raise, with the numbers, on what the kernels would get wrong: partial tiles or mixed dtypes (Triton's
     dot needs one element type; the interpreter would accept it)."""
-    problem = shape_problem(x.shape[1], w.shape[1], w.shape[2], tiles)
+    problem = shape_problem(block, z, f, tiles)
     if problem:
         raise ValueError(f"grouped GEMM kernel: {problem}")
-    if x.dtype != w.dtype:
-        raise ValueError(f"grouped GEMM kernel: operands {x.dtype} and weights {w.dtype} differ")
+    if a_dtype != b_dtype:
+        raise ValueError(f"grouped GEMM kernel: operands {a_dtype} and weights {b_dtype} differ")
 
 
 def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
@@ -156,7 +156,7 @@ def _used_blocks(expert_Bk, blocks_E):
 def matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], expert_Bk: Int[Array, "Bk"],
            blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b F"]:
     """y[n] = x[n] @ w[expert_Bk[n]]."""
-    _check(x_BkbZ, w_EZF, tiles)
+    _check(x_BkbZ.shape[1], *w_EZF.shape[1:], x_BkbZ.dtype, w_EZF.dtype, tiles)
     return _rows_call(x_BkbZ, w_EZF, expert_Bk, _used_blocks(expert_Bk, blocks_E), w_EZF.shape[2], False, tiles,
                       interpret)
 
@@ -164,7 +164,7 @@ def matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], expert_
 def matmul_dx(dy_BkbF: Float[Array, "Bk b F"], w_EZF: Float[Array, "E Z F"], expert_Bk: Int[Array, "Bk"],
               blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b Z"]:
     """dx[n] = dy[n] @ w[expert_Bk[n]]^T."""
-    _check(dy_BkbF, w_EZF, tiles)
+    _check(dy_BkbF.shape[1], *w_EZF.shape[1:], dy_BkbF.dtype, w_EZF.dtype, tiles)
     return _rows_call(dy_BkbF, w_EZF, expert_Bk, _used_blocks(expert_Bk, blocks_E), w_EZF.shape[1], True, tiles,
                       interpret)
 
@@ -173,7 +173,7 @@ def matmul_dw(x_BkbZ: Float[Array, "Bk b Z"], dy_BkbF: Float[Array, "Bk b F"], b
               tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "E Z F"]:
     """dw[e] = sum over e's blocks of x[n]^T dy[n], fp32 (blocks sorted by expert, blocks_E of each)."""
     z, f = x_BkbZ.shape[2], dy_BkbF.shape[2]
-    _check(x_BkbZ, jax.ShapeDtypeStruct((1, z, f), dy_BkbF.dtype), tiles)
+    _check(x_BkbZ.shape[1], z, f, x_BkbZ.dtype, dy_BkbF.dtype, tiles)
     tz, tf = tile(tiles.tz, z), tile(tiles.tf, f)
     n_exp = blocks_E.shape[0]
     first_E = jnp.cumsum(blocks_E) - blocks_E
