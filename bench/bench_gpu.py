@@ -38,7 +38,7 @@ import numpy as np
 from moejax import accounting
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
 from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
-from moejax.parallel.backends import moe_backend
+from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak
 from moejax.presets import HERO_MODEL, ladder_rung, ladder_shape
@@ -115,7 +115,8 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) 
     optimizer, lr_fns = make_optimizer(cfg)
     state = init_state(cfg, optimizer, jax.random.key(0), mesh)
     step = jax.jit(make_train_step(cfg.model, optimizer, lr_fns, moe_backend(cfg.parallel, mesh),
-                                   remat=cfg.train.remat, scan_layers=cfg.train.scan_layers), donate_argnums=0)
+                                   remat=cfg.train.remat, scan_layers=cfg.train.scan_layers,
+                                   attention_kernel=attention_kernel(mesh)), donate_argnums=0)
     sh = batch_sharding(mesh)
     batches = [jax.device_put(synthetic_batch(cfg, i), sh) for i in range(2)]
     t0 = time.perf_counter()

@@ -3,18 +3,22 @@ an abstract H200 device): Pallas's Triton lowering rules accept every op, ref in
 use, at the shapes of issue 11's shape G. What this cannot check is Triton's own compile to PTX, which
 runs inside XLA on a GPU (`bench/bench_gpu.py` does that)."""
 
+import re
 from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from moejax.model import kernel_choice
 from moejax.model.flash_gpu import flash_attention
 from moejax.model.moe import grouped_gpu
 from moejax.config import ParallelConfig
+from moejax.ladder.lower import abstract_train_inputs
+from moejax.parallel.backends import attention_kernel, moe_backend
+from moejax.parallel.mesh import MESH_AXES
 from moejax.presets import TINY, ladder_rung
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
@@ -95,3 +99,32 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
     # matmuls (forward + remat forward, dx, dw).
     assert cfg.model.n_experts == 384 and cfg.train.scan_layers
     assert _triton_calls(step, state, batch) == 2 * (2 + 1 + 1) + 3 * (2 + 1 + 1)
+
+
+@pytest.mark.parametrize("axes", [dict(data=8), dict(data=2, expert=4)], ids=["local_data8", "ep_data2_expert4"])
+def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
+    """On 8 abstract H200s, the train step's kernels are called inside the batch shards' shard_map with one
+    device's rows (batch 8 over 8 shards: 1 row each): attention on both MoE backends, the grouped GEMM on
+    the local one (the EP backend's experts are batched einsums on its fixed buffers). Under shard_map
+    Pallas must be told its outputs' varying axes (`pallas_shapes.out_like`); without that this raised."""
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setattr(kernel_choice, "run_interpreted", lambda: False)
+    model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
+                      shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
+    par = ParallelConfig(**axes)
+    cfg = replace(TINY, model=model, train=replace(TINY.train, batch_size=8, seq_len=64), parallel=par)
+    mesh = AbstractMesh(par.mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                        abstract_device=H200)
+    state, batch, state_sh, batch_sh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh)
+    step = make_train_step(model, optimizer, lr_fn, moe_backend(par, mesh), remat=False, scan_layers=False,
+                           attention_kernel=attention_kernel(mesh))
+    with use_abstract_mesh(mesh):
+        text = (jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
+                .trace(state, batch).lower(lowering_platforms=("cuda",)).as_text())
+    operands = re.findall(rf"stablehlo.custom_call @{re.escape(TRITON_CALL)}\(.*?\).*?: \((.*?)\) ->", text)
+    attention = [o for o in operands if o.startswith("tensor<1x64x4x16xbf16>")]  # q of one row
+    assert len(attention) == model.n_layers * 3  # forward, dq, dkv
+    grouped = len(operands) - len(attention)
+    assert grouped == (model.n_layers * 3 * 3 if par.resolved_backend == "local" else 0)
+    assert not any(o.startswith("tensor<8x64") for o in operands), "a kernel saw the global batch"

@@ -117,15 +117,13 @@ def test_shapes_the_kernels_dont_take_are_an_error(kernel):
 
 
 def test_multi_gpu_choice(monkeypatch):
-    """On 8 GPUs the grouped GEMM (run per device by the local backend's shard_map) keeps its kernel;
-    attention, not wrapped yet, must be chosen explicitly."""
+    """On 8 GPUs both kernels stay the default: each runs per batch shard under shard_map
+    (`parallel.backends`; lowered in test_gpu_lowering, values in test_local_data_parallel)."""
     monkeypatch.delenv("MOEJAX_GROUPED", raising=False)
     monkeypatch.delenv("MOEJAX_ATTENTION", raising=False)
     monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernel_choice.jax, "device_count", lambda: 8)
-    assert kernel_impl(*GROUPED) == "gpu_kernel"
-    with pytest.raises(ConfigError, match="single-device .8 GPUs here.: set MOEJAX_ATTENTION=xla"):
-        kernel_impl(*ATTENTION)
+    assert kernel_impl(*GROUPED) == kernel_impl(*ATTENTION) == "gpu_kernel"
     monkeypatch.setenv("MOEJAX_ATTENTION", "xla")
     assert kernel_impl(*ATTENTION) == "xla"
 

@@ -1,5 +1,6 @@
 """The dropless local backend on a data-parallel mesh: each batch shard routes its own tokens (shard_map
-over the batch axes) and gives the single-device path's values, gradients and global DropStats."""
+over the batch axes) and gives the single-device path's values, gradients and global DropStats; the GPU
+kernels (interpreted here) run per batch shard the same way."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import pytest
 from jax.sharding import NamedSharding
 
 from moejax.config import ParallelConfig
+from moejax.model.attention import flash_kernel
 from moejax.model.moe.grouped import default_block
 from moejax.model.moe.layer import routed_local_with_stats
-from moejax.parallel.backends import local_backend
+from moejax.model.transformer import Transformer, model_loss
+from moejax.parallel.backends import attention_kernel, local_backend
 from moejax.parallel.mesh import BATCH_SPEC, REPLICATED, make_mesh
+from tests.helpers import toy_batch, toy_model
 
 RTOL_FP32 = 1e-5
 ATOL_FP32 = 1e-5
@@ -71,3 +75,39 @@ def test_data_parallel_local_equals_single_device(axes):
 
 def test_one_shard_is_the_plain_local_path():
     assert local_backend(make_mesh(ParallelConfig())) is routed_local_with_stats
+
+
+def test_model_with_both_kernels_per_batch_shard_equals_xla(monkeypatch):
+    """The whole model on data=8 with both GPU kernels chosen (through the Pallas interpreter, each under
+    the batch shards' shard_map: `attention_kernel`, `local_backend`) gives the single-device XLA path's
+    loss and gradients. Pallas needs its outputs' varying axes under shard_map (`pallas_shapes.out_like`);
+    before that, any multi-GPU run with a kernel failed at trace time."""
+    model = toy_model(n_layers=2, window=12)  # one local, one global layer; 1 row of 32 per device
+    batch = toy_batch(model, batch=8, seq=32, doc_lens=((10, 22), (32,), (5, 5, 22)))
+
+    def loss_and_grads(routed, kernel, params, batch):
+        fn = lambda p: model_loss(p, batch, model, routed, remat=False, scan_layers=False, attention_kernel=kernel)[0]
+        grad_fn = jax.value_and_grad(fn)
+        kernels = str(jax.make_jaxpr(grad_fn)(params)).count("pallas_call[")
+        return jax.jit(grad_fn)(params), kernels
+
+    params = Transformer.init(model, jax.random.key(3))
+    monkeypatch.setenv("MOEJAX_ATTENTION", "xla")
+    monkeypatch.setenv("MOEJAX_GROUPED", "xla")
+    want, kernels = loss_and_grads(routed_local_with_stats, flash_kernel, params, batch)
+    assert kernels == 0
+
+    mesh = make_mesh(ParallelConfig(data=8))
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    placed_params = jax.device_put(params, NamedSharding(mesh, REPLICATED))
+    placed_batch = jax.device_put(batch, NamedSharding(mesh, BATCH_SPEC))
+    got, kernels = loss_and_grads(local_backend(mesh), attention_kernel(mesh), placed_params, placed_batch)
+    assert kernels == model.n_layers * (3 + 3 * 3)  # attention fwd, dq, dkv; 3 expert matmuls' fwd, dx, dw
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL_FP32)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=jax.tree_util.keystr(path))
+
+
+def test_attention_kernel_on_one_device_is_the_plain_kernel():
+    assert attention_kernel(make_mesh(ParallelConfig())) is flash_kernel

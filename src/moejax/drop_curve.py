@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from moejax.config import ModelConfig
 from moejax.model.transformer import Transformer, model_loss
+from moejax.parallel.backends import attention_kernel
 from moejax.parallel.expert_parallel import routed_expert_parallel
 from moejax.parallel.mesh import REPLICATED, batch_sharding
 from moejax.train.step import qb_hook, with_router_bias
@@ -85,7 +86,7 @@ def make_drop_measure(cfg: ModelConfig, mesh: Mesh, *, cf_send: float, cf_recv: 
     hook = qb_hook(cfg)
 
     def measure(params: Transformer, batch: dict):
-        _, aux = model_loss(params, batch, cfg, routed, hook, remat=False)
+        _, aux = model_loss(params, batch, cfg, routed, hook, remat=False, attention_kernel=attention_kernel(mesh))
         layers = aux["layers"]
         counts = {k: layers[k] for k in ("valid", "kept", "sender_dropped", "receiver_dropped")}
         return counts, aux["cross_entropy_loss"], layers["qb_bias"]

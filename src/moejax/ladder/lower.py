@@ -63,7 +63,7 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     import jax
 
     from moejax.parallel.mesh import abstract_mesh
-    from moejax.parallel.backends import moe_backend
+    from moejax.parallel.backends import attention_kernel, moe_backend
     from moejax.train.step import make_train_step
 
     t0 = time.perf_counter()
@@ -73,7 +73,7 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     par = cfg.parallel if phase is None else dataclasses.replace(cfg.parallel, cf_send=phase.cf_send,
                                                                   cf_recv=phase.cf_recv)
     step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(par, mesh), remat=remat,
-                           context=1 if phase is None else phase.context)
+                           context=1 if phase is None else phase.context, attention_kernel=attention_kernel(mesh))
     fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))
     t1 = time.perf_counter()
     # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs).

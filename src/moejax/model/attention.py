@@ -17,9 +17,10 @@ Notable choices:
 - XSA: each head's output loses its component along the token's own value vector.
 - Head gate 2*sigmoid(x W_gate) per head, W_gate zero-initialised (gate = 1 at init).
 Attention core, by `attention_impl()`:
-- 'gpu_kernel' (default on one GPU): the fused Pallas flash kernel of flash_gpu.py (causal, document,
-  window, GQA; never [S, S]). `MOEJAX_ATTENTION=xla|gpu_kernel` chooses explicitly (e.g. to A/B on a
-  GPU). With several GPUs and no choice made it raises: the kernel is not wrapped in shard_map yet.
+- 'gpu_kernel' (default on GPU): the fused Pallas flash kernel of flash_gpu.py (causal, document,
+  window, GQA; never [S, S]), run by the caller's `KernelFn`: `flash_kernel` on one device, or
+  `parallel.backends.attention_kernel(mesh)`, the same kernel per batch shard under shard_map (a custom
+  call left to GSPMD would run replicated). `MOEJAX_ATTENTION=xla|gpu_kernel` chooses explicitly.
 - 'xla': `attn_q_block = 0` is the dense reference ([S, S] scores). `attn_q_block > 0` (and S larger)
   processes queries in blocks, each rematerialised: global layers score a block against all S keys
   ([B, H, Q, S] live); local layers dynamic_slice only keys [start - window + 1, end) of a front-padded
@@ -32,6 +33,7 @@ Attention core, by `attention_impl()`:
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,10 @@ from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_d
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
+
+# The kernel path's attention core: (q [B, S, H, Hd], k/v [B, S, G, Hd], segment_ids [B, S], scale,
+# window or None) -> [B, S, H, Hd] fp32. Bound to a mesh by `parallel.backends.attention_kernel`.
+KernelFn = Callable[..., Array]
 
 
 @pytree_dataclass
@@ -80,8 +86,13 @@ def rope(x: Float[Array, "B S N Hd"], positions: Int[Array, "B S"], rope_dim: in
 
 
 def attention_impl() -> str:
-    """'gpu_kernel' on a single-GPU backend, else 'xla'; MOEJAX_ATTENTION chooses explicitly (`kernel_choice`)."""
+    """'gpu_kernel' on a GPU backend, else 'xla'; MOEJAX_ATTENTION chooses explicitly (`kernel_choice`)."""
     return kernel_impl(*ATTENTION)
+
+
+def flash_kernel(q, k, v, segment_ids, scale: float, window: int | None):
+    """The flash kernel on this device's rows (interpreted off GPU): one device, or one batch shard."""
+    return flash_attention(q, k, v, segment_ids, scale, window, FlashBlocks(), kernel_choice.run_interpreted())
 
 
 def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B K"], q_pos: Int[Array, "Q"], k_pos: Int[Array, "K"],
@@ -255,7 +266,7 @@ def attend_cached(q, k_h, v_h, seg_q, seg_k, q_pos, k_pos, is_global: bool, cfg:
 
 
 def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positions,
-                  cfg: ModelConfig, context: int = 1) -> Float[Array, "B S H Hd"]:
+                  cfg: ModelConfig, context: int = 1, kernel: KernelFn = flash_kernel) -> Float[Array, "B S H Hd"]:
     """One layer kind (static `is_global`): q/k with RoPE (local), head map, the attention core, XSA."""
     q = queries(p, x, positions, is_global, cfg)
     g = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
@@ -263,22 +274,22 @@ def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positio
     window = None if is_global else cfg.window
     scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
     head_map = kv_head_map(cfg, is_global)
-    if context > 1:  # XLA only: the kernel is single-device, and CP needs several devices to be useful
+    if context > 1:  # XLA only: the kernel reads no keys beyond its own row (no halo, no earlier chunks)
         out = attend_context(q, k, v, segment_ids, window, scale, cfg.attn_q_block, context, head_map)
     elif attention_impl() == "gpu_kernel":
-        out = flash_attention(q, k, v, segment_ids, scale, window, FlashBlocks(), kernel_choice.run_interpreted())
+        out = kernel(q, k, v, segment_ids, scale, window)
     else:
         out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
     return xsa(out, v[:, :, head_map])
 
 
 def attention(p: Attention, x: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"],
-              is_global, cfg: ModelConfig, context: int = 1) -> Float[Array, "B S D"]:
+              is_global, cfg: ModelConfig, context: int = 1, kernel: KernelFn = flash_kernel) -> Float[Array, "B S D"]:
     """`is_global`: a Python bool, or a traced scalar (the layer scan) that picks a branch by lax.cond.
     `context` > 1: rows are chunks of sequences (context parallelism, `attend_context`); positions and
-    segment ids are the whole sequence's."""
+    segment ids are the whole sequence's. `kernel`: the attention core when the GPU kernel is chosen."""
     k_conv = sconv(matmul_tokens(x, p.wk.astype(x.dtype)), p.conv_k, segment_ids, context)
-    branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg, context=context)
+    branch = lambda glob: functools.partial(_attend_heads, glob, cfg=cfg, context=context, kernel=kernel)
     if isinstance(is_global, (bool, np.bool_)):
         out = branch(bool(is_global))(p, x, k_conv, segment_ids, positions)
     else:

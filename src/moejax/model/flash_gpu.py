@@ -17,7 +17,7 @@ Notable choices:
   row is fully masked; a masked block processed before the diagonal is wiped by the running-max
   correction (exp2(MASK - m) = 0), as in the upstream kernel.
 - `interpret=True` runs the same kernels through the Pallas interpreter on CPU (tests only).
-- Single-device math: under a multi-device mesh the caller must wrap it in shard_map (not done yet).
+- Single-device math: on a mesh, `parallel.backends.attention_kernel` runs it per batch shard (shard_map).
 Only plain ref indexing, lax.dot_general and lax.fori_loop are used so the kernel lowers on jax 0.10
 and 0.11 alike.
 """
@@ -34,6 +34,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from moejax.model.pallas_shapes import out_like
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) is 0, never NaN
@@ -188,7 +190,7 @@ def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     return pl.pallas_call(
         kernel, grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec],
         out_specs=[q_spec, row_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((bsz, h, s), jnp.float32)],
+        out_shape=[out_like(q, q.shape, jnp.float32), out_like(q, (bsz, h, s), jnp.float32)],
         compiler_params=_compiler_params(blocks, 8 if hd > 64 else 4),  # upstream's heuristic
         interpret=interpret, name="moejax_flash_fwd",
     )(q, k, v, segment_ids)
@@ -204,7 +206,7 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk),
         grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
-        out_specs=q_spec, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        out_specs=q_spec, out_shape=out_like(q, q.shape, jnp.float32),
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dq",
     )(*ins)
     q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=False)
@@ -212,7 +214,7 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     dk_h, dv_h = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq),
         grid=(s // bk, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
-        out_specs=[per_head, per_head], out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 2,
+        out_specs=[per_head, per_head], out_shape=[out_like(q, q.shape, jnp.float32)] * 2,
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dkv",
     )(*ins)
     group = lambda d: d.reshape(bsz, s, g, h // g, hd).sum(3)  # sum the query heads sharing a KV head

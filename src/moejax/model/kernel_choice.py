@@ -1,11 +1,10 @@
 """Which implementation a fused-kernel op runs: the GPU kernel or the XLA path.
 
 One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED): the
-environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a single-GPU backend gets the
-kernel and everything else XLA; a kernel chosen off GPU runs interpreted. With several GPUs and no choice,
-an op whose caller runs it per device (the grouped GEMM: the local MoE backend is a shard_map over the
-batch shards) still gets its kernel; the others (attention, not yet wrapped) raise: a kernel is a
-single-device custom call that GSPMD would run replicated, silently slow, so the user has to say which.
+environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
+everything else XLA; a kernel chosen off GPU runs interpreted. On several GPUs each kernel runs per device:
+its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
+`attention_kernel`), since a custom call left to GSPMD would run replicated.
 """
 
 from __future__ import annotations
@@ -22,20 +21,14 @@ from moejax.model.moe import grouped_gpu
 IMPLS = ("xla", "gpu_kernel")
 
 
-def kernel_impl(env_var: str, what: str, per_device: bool = False) -> str:
-    """'gpu_kernel' or 'xla' for the op `what`, by the rule above (`per_device`: its caller runs it under
-    shard_map, one device's data at a time)."""
+def kernel_impl(env_var: str, what: str) -> str:
+    """'gpu_kernel' or 'xla' for the op `what` (named in errors), by the rule above."""
     chosen = os.environ.get(env_var) or None
     if chosen is not None and chosen not in IMPLS:
-        raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS}")
+        raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS} (the {what} implementation)")
     if chosen:
         return chosen
-    if jax.default_backend() != "gpu":
-        return "xla"
-    if jax.device_count() > 1 and not per_device:  # GSPMD can't partition a custom call: it would replicate it
-        raise ConfigError(f"the fused {what} kernel is single-device ({jax.device_count()} GPUs here): set "
-                          f"{env_var}=xla, or ={IMPLS[1]} to accept a replicated kernel")
-    return "gpu_kernel"
+    return "gpu_kernel" if jax.default_backend() == "gpu" else "xla"
 
 
 @contextlib.contextmanager
@@ -62,9 +55,9 @@ def run_interpreted() -> bool:
     return jax.default_backend() != "gpu"
 
 
-# Every op with a GPU kernel: (environment variable, what the error calls it, run per device).
-ATTENTION = ("MOEJAX_ATTENTION", "attention", False)
-GROUPED = ("MOEJAX_GROUPED", "grouped GEMM", True)
+# Every op with a GPU kernel: (environment variable, what the error calls it).
+ATTENTION = ("MOEJAX_ATTENTION", "attention")
+GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
 KERNEL_OPS = (ATTENTION, GROUPED)
 
 

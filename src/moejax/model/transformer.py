@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moejax.config import ModelConfig
-from moejax.model.attention import Attention, attention
+from moejax.model.attention import Attention, KernelFn, attention, flash_kernel
 from moejax.model.layers import Norm, pytree_dataclass, trunc_normal
 from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, MoE, RoutedFn, moe_block, routed_local_with_stats
 
@@ -89,7 +89,8 @@ def drop_token_stats(stats: dict) -> dict:
 def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"],
             positions: Int[Array, "B S"], cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
             layer_hook: LayerHook | None = None, remat: bool = True,
-            context: int = 1, scan_layers: bool = True) -> tuple[Float[Array, "B S D"], dict]:
+            context: int = 1, scan_layers: bool = True,
+            attention_kernel: KernelFn = flash_kernel) -> tuple[Float[Array, "B S D"], dict]:
     """Final hidden states (after the final norm) and per-layer stats stacked along L.
 
     `layer_hook` maps one layer's raw MoE stats to what is kept (e.g. margins -> QB bias); by default the
@@ -98,12 +99,15 @@ def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Arr
     ids, positions (and the loss's targets) are the whole sequence's, so only attention and SConv, which
     read earlier positions, look across rows. The MoE sees tokens as ever.
     `scan_layers` False: a Python loop over the layers instead of `lax.scan` (same values; see `run_layers`).
+    `routed` and `attention_kernel` are where parallelism enters (bound to the mesh by `parallel.backends`):
+    the routed experts, and the attention core when the GPU kernel is chosen.
     """
     x = embed(params, tokens, cfg)
     hook = layer_hook or drop_token_stats
 
     def block(x, blk, is_global):
-        h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg, context)
+        h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg, context,
+                      attention_kernel)
         x = x + h
         h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed, context)
         return x + h, hook(stats)
@@ -179,11 +183,11 @@ def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
 
 def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
                layer_hook: LayerHook | None = None, remat: bool = True, context: int = 1,
-               scan_layers: bool = True) -> tuple[jax.Array, dict]:
+               scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel) -> tuple[jax.Array, dict]:
     """Scalar training loss and everything worth logging (loss parts + per-layer MoE stats). `context`: rows
     per sequence (context parallelism); the batch's targets and loss mask already cross chunk boundaries."""
     h, layer_stats = forward(params, batch["tokens"], batch["segment_ids"], batch["positions"], cfg, routed,
-                             layer_hook, remat, context, scan_layers)
+                             layer_hook, remat, context, scan_layers, attention_kernel)
     parts = lm_loss(h, params.lm_head, batch["targets"], batch["loss_mask"], cfg.z_loss_weight,
                     cfg.loss_vocab_block)
     return parts["loss"], {**parts, "layers": layer_stats}

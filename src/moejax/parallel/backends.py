@@ -1,4 +1,4 @@
-"""The routed-expert backends, chosen in one place.
+"""Where parallelism enters the model: the routed-expert backends and the attention kernel, bound to a mesh.
 
 Every backend has the `RoutedFn` signature of `moejax.model.moe.layer` and returns (y_TZ fp32, DropStats):
 - "local": the dropless path (grouped GEMMs over rows sorted by expert); on a mesh with several batch
@@ -6,6 +6,8 @@ Every backend has the `RoutedFn` signature of `moejax.model.moe.layer` and retur
 - "ep": the pooled-wave fixed all-to-all transport over the `expert` mesh axis (SPEC §3).
 `parallel.moe_backend="auto"` picks "ep" when the expert axis is larger than 1, else "local".
 A new backend is one entry in BACKENDS.
+`attention_kernel(mesh)`: the flash kernel (used when `MOEJAX_ATTENTION` resolves to gpu_kernel) on each
+batch shard's own rows under shard_map; a Pallas kernel is a custom call that GSPMD cannot partition.
 """
 
 from __future__ import annotations
@@ -17,9 +19,19 @@ import jax
 from jax.sharding import Mesh
 
 from moejax.config import ConfigError, ParallelConfig
+from moejax.model import kernel_choice
+from moejax.model.attention import KernelFn, flash_kernel
+from moejax.model.kernel_choice import ATTENTION, GROUPED, kernel_impl
 from moejax.model.moe.layer import DropStats, RoutedFn, routed_local_with_stats
 from moejax.parallel.expert_parallel import routed_expert_parallel
 from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, REPLICATED, batch_shards
+
+
+def _check_vma(op: tuple[str, str]) -> bool:
+    """shard_map's varying-axes check, on unless `op`'s kernel runs through the Pallas interpreter (CPU
+    tests): the interpreter slices blocks with unvarying grid indices, which the check rejects (jax 0.10.2
+    and 0.11.2). Unchecked, shard_map's transpose sums the cotangents of replicated inputs itself."""
+    return not (kernel_impl(*op) == "gpu_kernel" and kernel_choice.run_interpreted())
 
 
 def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *,
@@ -30,16 +42,20 @@ def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w
     every token and run all of the grouped GEMMs (measured: the tiny preset on data=8 ran the full 47-block
     GEMMs on each of the 8 devices)."""
 
+    check = _check_vma(GROUPED)
+
     def body(z_TZ, expert_TK, weight_TK, mask_T, *w):
         # Weights varying over the batch axes: each shard's weight gradient is its own (the grouped GEMM's
-        # custom VJP returns it so), and the transpose of this cast sums them over the shards.
-        w = [jax.lax.pcast(a, BATCH_AXES, to="varying") for a in w]
+        # custom VJP returns it so), and the transpose of this cast sums them over the shards (unchecked,
+        # shard_map's own transpose does).
+        if check:
+            w = [jax.lax.pcast(a, BATCH_AXES, to="varying") for a in w]
         y_TZ, drops = routed_local_with_stats(z_TZ, expert_TK, weight_TK, mask_T, *w)
         return y_TZ, DropStats(*(jax.lax.psum(c, BATCH_AXES) for c in drops))
 
     tok = BATCH_SPEC
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, REPLICATED, REPLICATED, REPLICATED),
-                       out_specs=(tok, REPLICATED))
+                       out_specs=(tok, REPLICATED), check_vma=check)
     return fn(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ)
 
 
@@ -48,6 +64,22 @@ def local_backend(mesh: Mesh) -> RoutedFn:
     if batch_shards(mesh) == 1:
         return routed_local_with_stats
     return partial(routed_local_data_parallel, mesh=mesh)
+
+
+def flash_per_batch_shard(q, k, v, segment_ids, scale: float, window: int | None, *, mesh: Mesh):
+    """`flash_kernel` on each batch shard's rows (q/k/v/segment_ids sharded on the batch dim over
+    BATCH_AXES; attention never mixes rows, and nothing here is a weight, so no collective either way)."""
+    body = lambda q, k, v, s: flash_kernel(q, k, v, s, scale, window)
+    return jax.shard_map(body, mesh=mesh, in_specs=(BATCH_SPEC,) * 4, out_specs=BATCH_SPEC,
+                         check_vma=_check_vma(ATTENTION))(q, k, v, segment_ids)
+
+
+def attention_kernel(mesh: Mesh) -> KernelFn:
+    """The attention kernel for `mesh`: per batch shard on any mesh of several devices (replicated over
+    `model`, which shards nothing), the plain kernel on one device."""
+    if mesh.size == 1:
+        return flash_kernel
+    return partial(flash_per_batch_shard, mesh=mesh)
 
 
 BACKENDS: dict[str, Callable[[ParallelConfig, Mesh], RoutedFn]] = {

@@ -36,7 +36,7 @@ from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, read_metrics, to_py
-from moejax.parallel.backends import local_backend, moe_backend
+from moejax.parallel.backends import attention_kernel, local_backend, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
 from moejax.train.alarms import LOAD_KEY
@@ -174,7 +174,7 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
     state = _initial_state(state, ckpt, resuming, init_from, optimizer, dataclasses.asdict(m))
     state, offload = place_state(state, t.opt_state_memory)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    routed = moe_backend(cfg.parallel, mesh)
+    routed, kernel = moe_backend(cfg.parallel, mesh), attention_kernel(mesh)
     batch_sh = batch_sharding(mesh)
 
     @functools.cache
@@ -183,14 +183,14 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
         transport's static buffer sizes and the chunk layout are baked into the compiled step."""
         par = dataclasses.replace(cfg.parallel, cf_send=cf_send, cf_recv=cf_recv)
         fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=opts.remat or t.remat,
-                             offload=offload, context=context, scan_layers=t.scan_layers)
+                             offload=offload, context=context, scan_layers=t.scan_layers, attention_kernel=kernel)
         return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
                        out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
     step_fn = lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)
-    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers))}
+    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers, kernel))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers))
+        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel))
     return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
                     jnp.asarray(data.bytes_per_token))
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from moejax.config import ModelConfig
+from moejax.model.attention import KernelFn, flash_kernel
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
 from moejax.model.transformer import Transformer, drop_token_stats, model_loss
@@ -89,9 +90,11 @@ def qb_hook(cfg: ModelConfig):
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fns: dict[str, Callable],
                     routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None,
-                    context: int = 1, scan_layers: bool = True):
+                    context: int = 1, scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel):
     """`context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`).
-    `scan_layers`: `lax.scan` over the layers, or unrolled (`transformer.run_layers`)."""
+    `scan_layers`: `lax.scan` over the layers, or unrolled (`transformer.run_layers`).
+    `routed`, `attention_kernel`: bound to the run's mesh by `parallel.backends` (`moe_backend`,
+    `attention_kernel`); the defaults are single-device."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
 
     def train_step(state: TrainState, batch: dict):
@@ -99,7 +102,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
         # The router bias in it is the QB bias computed at the previous step.
         fwd_params = jax.tree.map(lambda c: c.astype(jnp.float32), state.compute)
-        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers)
+        loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers,
+                                         attention_kernel)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
 
         master, opt_state = state.params, state.opt_state
@@ -136,9 +140,11 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     return train_step
 
 
-def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats, scan_layers: bool = True):
+def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats, scan_layers: bool = True,
+                   attention_kernel: KernelFn = flash_kernel):
     def eval_step(params, batch, bytes_per_token):
-        _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers)
+        _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers,
+                            attention_kernel=attention_kernel)
         n_bytes = jnp.sum(jnp.where(batch["loss_mask"], bytes_per_token[batch["targets"]], 0))
         return {"ce_sum": aux["cross_entropy_loss"] * aux["tokens"], "tokens": aux["tokens"],
                 "bytes": n_bytes.astype(jnp.float32), **moe_metrics(aux["layers"], cfg.n_layers)}

@@ -30,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
+
+from moejax.model.pallas_shapes import out_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tile
         grid=(out_cols // tn, n_blocks),
         in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, k), lambda j, n: (n, 0, 0)), _whole(w)],
         out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((n_blocks, b, out_cols), jnp.result_type(x_BkbK, w)),
+        out_shape=out_like(x_BkbK, (n_blocks, b, out_cols), jnp.result_type(x_BkbK, w)),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_dx" if trans_w else "moejax_grouped_fwd",
     )(expert_Bk, used_Bk, x_BkbK, w)
@@ -181,7 +182,7 @@ def matmul_dw(x_BkbZ: Float[Array, "Bk b Z"], dy_BkbF: Float[Array, "Bk b F"], b
         _wgrad_kernel, grid=(z // tz, f // tf, n_exp),
         in_specs=[_whole(first_E), _whole(blocks_E), _whole(x_BkbZ), _whole(dy_BkbF)],
         out_specs=pl.BlockSpec((None, tz, tf), lambda zi, fi, e: (e, zi, fi)),
-        out_shape=jax.ShapeDtypeStruct((n_exp, z, f), jnp.float32),
+        out_shape=out_like(x_BkbZ, (n_exp, z, f), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_dw",
     )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), x_BkbZ, dy_BkbF)
