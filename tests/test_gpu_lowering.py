@@ -30,8 +30,9 @@ H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
 def _triton_calls(fn, *args) -> int:
-    """Lower `fn` for CUDA and count its Triton kernel calls."""
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
+    """Lower `fn` for CUDA (as a GPU would trace it: Triton kernels, not the interpreter) and count its
+    Triton kernel calls."""
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)), kernel_choice.targeting_gpu():
         exported = export.export(jax.jit(fn), platforms=["cuda"],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
     return exported.mlir_module().count(f"stablehlo.custom_call @{TRITON_CALL}")
@@ -69,7 +70,6 @@ def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
     dq + dkv and the three expert matmuls' forward + dx + dw; remat reruns the four forwards."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
-    monkeypatch.setattr(kernel_choice, "run_interpreted", lambda: False)  # as on a GPU: Triton, not the interpreter
     model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
                       shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
     cfg = replace(TINY, model=model, train=replace(TINY.train, batch_size=2, seq_len=64))
@@ -86,7 +86,6 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
     tokens: both kernels take its shapes (abstract shapes: nothing is allocated)."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
-    monkeypatch.setattr(kernel_choice, "run_interpreted", lambda: False)
     cfg = ladder_rung(1024)
     cfg = replace(cfg, train=replace(cfg.train, batch_size=8, remat=True), parallel=ParallelConfig())
     optimizer, lr_fn = make_optimizer(cfg)
@@ -109,7 +108,6 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     Pallas must be told its outputs' varying axes (`pallas_shapes.out_like`); without that this raised."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
-    monkeypatch.setattr(kernel_choice, "run_interpreted", lambda: False)
     model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
                       shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
     par = ParallelConfig(**axes)
@@ -119,7 +117,7 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     state, batch, state_sh, batch_sh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh)
     step = make_train_step(model, optimizer, lr_fn, moe_backend(par, mesh), remat=False, scan_layers=False,
                            attention_kernel=attention_kernel(mesh))
-    with use_abstract_mesh(mesh):
+    with use_abstract_mesh(mesh), kernel_choice.targeting_gpu():
         text = (jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
                 .trace(state, batch).lower(lowering_platforms=("cuda",)).as_text())
     operands = re.findall(rf"stablehlo.custom_call @{re.escape(TRITON_CALL)}\(.*?\).*?: \((.*?)\) ->", text)

@@ -60,8 +60,11 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     cfg.phases): that phase's batch layout, context-parallel degree and capacity factors."""
     import dataclasses
 
+    import contextlib
+
     import jax
 
+    from moejax.model.kernel_choice import targeting_gpu
     from moejax.parallel.mesh import abstract_mesh
     from moejax.parallel.backends import attention_kernel, moe_backend
     from moejax.train.step import make_train_step
@@ -76,18 +79,24 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
                            context=1 if phase is None else phase.context, attention_kernel=attention_kernel(mesh))
     fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))
     t1 = time.perf_counter()
-    # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs).
-    lowered = fn.lower(state, batch) if concrete else fn.trace(state, batch).lower(lowering_platforms=(platform,))
+    # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs), and the step
+    # is traced as a GPU would run it: with the fused kernels, unless MOEJAX_* chooses xla.
+    with contextlib.nullcontext() if concrete or platform != "cuda" else targeting_gpu():
+        lowered = fn.lower(state, batch) if concrete else fn.trace(state, batch).lower(lowering_platforms=(platform,))
     t2 = time.perf_counter()
     text = lowered.as_text()
     return {"ok": True, "preset": cfg.name, "platform": "local devices" if concrete else platform, "mesh": dict(mesh.shape), "devices": mesh.size,
             "abstract_s": t1 - t0, "lower_s": t2 - t1, "hlo_chars": len(text),
             "num_partitions": _num_partitions(text), "all_to_all": text.count("stablehlo.all_to_all"),
+            "gpu_kernels": text.count(f"stablehlo.custom_call @{TRITON_CALL}"),
             "seq_len": cfg.train.seq_len if phase is None else phase.seq_len,
             "context": 1 if phase is None else phase.context,
             "batch": list(batch["tokens"].shape),
             # W waves x (dispatch, return) x (forward, backward transposes, + the remat re-forward)
             "expected_all_to_all": cfg.parallel.waves * 2 * 2 if cfg.parallel.use_ep else 0}
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # how a Pallas (Triton) kernel appears in the lowered text
 
 
 def _num_partitions(text: str) -> int:
@@ -139,8 +148,9 @@ def format_lower(r: dict) -> str:
             f"in {r['lower_s']:.1f} s (+{r['abstract_s']:.1f} s abstract state; {r['wall_s']:.1f} s wall incl. "
             f"interpreter start; peak RSS {r['max_rss_gb']:.2f} GB); {r['all_to_all']} all_to_all in the lowered "
             f"text ({r['expected_all_to_all']} expected = W waves x dispatch/return x forward/backward of the "
-            f"scanned layer; remat keeps the all-to-all results); num_partitions {r['num_partitions']}; platform {r['platform']}; nothing compiled or "
-            "allocated")
+            f"scanned layer; remat keeps the all-to-all results); {r['gpu_kernels']} fused GPU kernel calls "
+            f"(attention per batch shard; none on context-parallel phases, which use XLA attention); "
+            f"num_partitions {r['num_partitions']}; platform {r['platform']}; nothing compiled or allocated")
 
 
 if __name__ == "__main__":

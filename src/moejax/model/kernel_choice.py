@@ -4,7 +4,8 @@ One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: 
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
 everything else XLA; a kernel chosen off GPU runs interpreted. On several GPUs each kernel runs per device:
 its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
-`attention_kernel`), since a custom call left to GSPMD would run replicated.
+`attention_kernel`), since a custom call left to GSPMD would run replicated. `targeting_gpu()` makes a
+machine without a GPU choose and lower as a GPU would (`moejax plan --lower`, the CUDA lowering tests).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from moejax.model import flash_gpu
 from moejax.model.moe import grouped_gpu
 
 IMPLS = ("xla", "gpu_kernel")
+_targeting_gpu = False  # set by `targeting_gpu`
+
+
+def _on_gpu() -> bool:
+    return _targeting_gpu or jax.default_backend() == "gpu"
 
 
 def kernel_impl(env_var: str, what: str) -> str:
@@ -28,7 +34,20 @@ def kernel_impl(env_var: str, what: str) -> str:
         raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS} (the {what} implementation)")
     if chosen:
         return chosen
-    return "gpu_kernel" if jax.default_backend() == "gpu" else "xla"
+    return "gpu_kernel" if _on_gpu() else "xla"
+
+
+@contextlib.contextmanager
+def targeting_gpu():
+    """Within the block (while tracing), choose and lower as on a GPU: unset choices default to the kernels,
+    and chosen kernels lower to Triton instead of running interpreted. For lowering to CUDA on a machine
+    without a GPU; a step traced here can't run on CPU."""
+    global _targeting_gpu
+    before, _targeting_gpu = _targeting_gpu, True
+    try:
+        yield
+    finally:
+        _targeting_gpu = before
 
 
 @contextlib.contextmanager
@@ -50,9 +69,8 @@ def chosen(env_var: str, impl: str):
 
 def run_interpreted() -> bool:
     """Whether a chosen GPU kernel runs through the Pallas interpreter: off GPU (CPU tests, or a user who
-    sets gpu_kernel on CPU: same values, slowly). Callers look it up on the module, so a test that lowers
-    for CUDA on a CPU machine can patch it."""
-    return jax.default_backend() != "gpu"
+    sets gpu_kernel on CPU: same values, slowly), unless `targeting_gpu`."""
+    return not _on_gpu()
 
 
 # Every op with a GPU kernel: (environment variable, what the error calls it).
