@@ -154,19 +154,42 @@ def test_flash_kernel_local_window_equals_dense():
     _flash_vs_dense(h=4, g=2, window=6)  # window straddles key blocks of 4 and query blocks of 8
 
 
-def test_flash_block_ranges_are_exactly_the_needed_blocks():
-    """Loop bounds skip a block iff no (q, k) in it is causal and within the window (documents aside)."""
+@pytest.mark.parametrize("off", [0, 4, 12, 16, 48], ids=lambda o: f"off{o}")
+def test_flash_block_ranges_are_exactly_the_needed_blocks(off):
+    """Loop bounds skip a block iff no (q, k) in it is causal and within the window (documents aside); the
+    queries sit at key positions off + [0, S) (keys extended in front, as context parallelism does)."""
     seq = 64
-    for bq, bk, window in [(8, 4, 6), (4, 8, 6), (16, 16, 1), (8, 8, 20), (8, 4, None)]:
-        q, k = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    cases = [(bq, bk, w) for bq, bk, w in [(8, 4, 6), (4, 8, 6), (16, 16, 1), (8, 8, 20), (8, 4, None), (4, 4, 13)]
+             if (off + seq) % bk == 0]  # the kernel takes whole key blocks
+    assert cases
+    for bq, bk, window in cases:
+        q, k = off + np.arange(seq)[:, None], np.arange(off + seq)[None, :]
         live = (q >= k) & (True if window is None else q - k < window)
-        need = live.reshape(seq // bq, bq, seq // bk, bk).any(axis=(1, 3))  # [query block, key block]
+        need = live.reshape(seq // bq, bq, (off + seq) // bk, bk).any(axis=(1, 3))  # [query block, key block]
         for i in range(seq // bq):
-            lo, hi = (int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window))
+            lo, hi = (int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window, off))
             assert list(range(lo, hi)) == list(np.flatnonzero(need[i])), (bq, bk, window, i)
-        for j in range(seq // bk):
-            lo, hi = (int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq))
-            assert list(range(lo, hi)) == list(np.flatnonzero(need[:, j])), (bq, bk, window, j)
+        for j in range((off + seq) // bk):
+            lo, hi = (int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq, off))
+            assert list(range(lo, max(lo, hi))) == list(np.flatnonzero(need[:, j])), (bq, bk, window, j)
+
+
+@pytest.mark.parametrize("off,window", [(4, None), (12, 6), (12, 15), (28, None)])
+def test_flash_kernel_with_earlier_keys_equals_dense(off, window):
+    """Keys extended in front of the queries (context parallelism: the previous chunks, or a halo; padding
+    has segment id -1): row 0's first document continues from the earlier keys, row 1's starts fresh.
+    Values and q/k/v gradients against the dense core with explicit positions, GQA 4 on 2."""
+    blocks = FlashBlocks(q=8, k=4, q_bwd=4, k_bwd=4)
+    q, _, _ = _qkv(h=4, g=2, seed=5)
+    kk, kv = jax.random.split(jax.random.key(6))
+    k, v = (jax.random.normal(key, (B, off + S, 2, 8)) for key in (kk, kv))
+    front = np.full((B, off), -1, np.int32)
+    front[0, -3:] = SEG[0, 0]  # the document of row 0's first query began 3 keys earlier
+    seg_k = jnp.concatenate([jnp.asarray(front), SEG], axis=1)
+    mask = attn.block_mask(SEG, seg_k, off + jnp.arange(S), jnp.arange(off + S), window)
+    want = _vjp_all(_per_head(lambda q, k, v: attn._softmax_av(q, k, v, mask, SCALE), 4), q, k, v)
+    got = _vjp_all(lambda q, k, v: flash_attention(q, k, v, seg_k, SCALE, window, blocks, True), q, k, v)
+    _assert_same(got, want)
 
 
 def test_attention_impl_choice_and_override():

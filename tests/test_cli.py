@@ -74,6 +74,16 @@ def test_model_a_chosen_kernel_cannot_take_is_one_line(env_var, override, words,
     assert not (tmp_path / "r").exists()
 
 
+def test_every_context_phase_is_checked_for_a_chosen_kernel(tmp_path, capsys, monkeypatch):
+    """The first phase's rows (128) fit the flash kernel's blocks, the later phase's (192) do not."""
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    assert main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "r"), "--mesh", "data=4",
+                 "--set", "train.batch_size=12", "--set", "data.context_schedule=0.5:192"]) == 2
+    err = capsys.readouterr().err
+    assert "MOEJAX_ATTENTION=gpu_kernel: sequence length (192) not divisible by block q (128)" in err
+    assert err.count("\n") == 1 and not (tmp_path / "r").exists()
+
+
 def test_short_training_run_and_different_run_refused(tmp_path):
     run = tmp_path / "run"  # passed relative to the working directory, as `make demo` does
     args = ["train", "--preset", "tiny", "--run-dir", "run", "--steps", "6", "--no-progress",

@@ -17,9 +17,11 @@ from jax.sharding import NamedSharding
 from moejax.cli import main
 from moejax.config import ConfigError, ParallelConfig, apply_overrides
 from moejax.data.loader import chunk_rows
+from moejax.model.attention import flash_kernel
+from moejax.model.kernel_choice import ATTENTION, chosen
 from moejax.model.layers import front_extend
 from moejax.model.transformer import Transformer, model_loss
-from moejax.parallel.backends import moe_backend
+from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh, param_shardings
 from moejax.presets import preset
 from moejax.train.loop import RunOptions, train
@@ -36,8 +38,9 @@ SEQ, N_SEQS = 32, 2
 DOC_LENS = ((5, 11, 10, 6), (13, 12))
 
 
-def _run(cfg, batch, context: int):
-    """Loss, grads and drop count with `context` chunks per sequence, one chunk per device (EP mesh)."""
+def _run(cfg, batch, context: int, kernel: bool = False):
+    """Loss, grads and drop count with `context` chunks per sequence, one chunk per device (EP mesh);
+    `kernel`: attention through the flash kernel per batch shard (interpreted here), not XLA."""
     rows = N_SEQS * context
     par = ParallelConfig(expert=rows, cf_send=NO_DROP_CF, cf_recv=NO_DROP_CF)
     mesh = make_mesh(par)
@@ -45,13 +48,18 @@ def _run(cfg, batch, context: int):
     params = jax.device_put(params, param_shardings(params, mesh))
     chunks = jax.device_put(chunk_rows(batch, context), batch_sharding(mesh))
     routed = moe_backend(par, mesh)
+    attend = attention_kernel(mesh) if kernel else flash_kernel
 
     def f(p, b):
-        (loss, aux), grads = jax.value_and_grad(lambda p: model_loss(p, b, cfg, routed, remat=False, context=context),
-                                                has_aux=True)(p)
+        with chosen(ATTENTION[0], "gpu_kernel" if kernel else "xla"):
+            (loss, aux), grads = jax.value_and_grad(
+                lambda p: model_loss(p, b, cfg, routed, remat=False, context=context, attention_kernel=attend),
+                has_aux=True)(p)
         dropped = jnp.sum(aux["layers"]["sender_dropped"] + aux["layers"]["receiver_dropped"])
         return loss, grads, dropped, aux["tokens"]
 
+    if kernel:  # every layer's attention forward, dq and dkv really are kernel calls
+        assert str(jax.make_jaxpr(f)(params, chunks)).count("pallas_call[") == 3 * cfg.n_layers
     loss, grads, dropped, tokens = jax.jit(f, out_shardings=NamedSharding(mesh, REPLICATED))(params, chunks)
     return float(loss), jax.device_get(grads), int(dropped), float(tokens)
 
@@ -69,6 +77,20 @@ def test_context_parallel_loss_and_grads_equal():
         for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(g, w, rtol=CP_RTOL_FP32, atol=CP_ATOL_FP32,
                                        err_msg=f"d{jax.tree_util.keystr(path)}, context {context}")
+
+
+def test_context_parallel_through_the_flash_kernel_equals_xla():
+    """The kernel path under CP: each chunk's kernel call gets its extended keys (halo two hops back on the
+    local layer, 3 earlier chunks on the global one, padded to whole key blocks); loss and gradients equal
+    the XLA path without CP."""
+    cfg = toy_model(window=12, n_layers=2)
+    batch = {k: np.asarray(v) for k, v in toy_batch(cfg, N_SEQS, SEQ, seed=3, doc_lens=DOC_LENS).items()}
+    want_loss, want_grads, _, _ = _run(cfg, batch, 1)
+    loss, grads, dropped, _ = _run(cfg, batch, 4, kernel=True)
+    assert dropped == 0
+    np.testing.assert_allclose(loss, want_loss, rtol=CP_RTOL_FP32)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=CP_RTOL_FP32, atol=CP_ATOL_FP32, err_msg=f"d{jax.tree_util.keystr(path)}")
 
 
 def test_front_extend_reads_only_its_own_sequence():

@@ -207,8 +207,9 @@ def _cmd_train(args) -> int:
     cfg = _resolve(args)
     check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
-    check_choices(cfg.model, cfg.train.seq_len)  # MOEJAX_ATTENTION / MOEJAX_GROUPED: before the run dir exists
     cfg = _default_mesh(cfg, args)
+    # MOEJAX_ATTENTION / MOEJAX_GROUPED, at every context phase's row length: before the run dir exists
+    check_choices(cfg.model, tuple(ph.chunk for ph in cfg.phases))
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",
                       peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat,

@@ -49,6 +49,8 @@ class Cluster:
     host_bytes_per_device: float
     peak_flops: float  # dense bf16 FLOP/s per device
     device: str
+    device_kind: str  # as jax names it: `plan --lower` lowers the GPU kernels for it
+    sm_count: int
 
     @property
     def n_devices(self) -> int:
@@ -56,9 +58,10 @@ class Cluster:
 
 
 CLUSTERS = {
-    "gb200-nvl72x11": Cluster("gb200-nvl72x11", 11, 64, 186 * GB, 240 * GB, 2.5e15, "GB200 (B200)"),
-    "h100x8": Cluster("h100x8", 1, 8, 80 * GB, 256 * GB, 989e12, "H100 SXM"),
-    "h200x1": Cluster("h200x1", 1, 1, 141 * GB, 256 * GB, 989e12, "H200"),
+    "gb200-nvl72x11": Cluster("gb200-nvl72x11", 11, 64, 186 * GB, 240 * GB, 2.5e15, "GB200 (B200)", "NVIDIA GB200",
+                              148),
+    "h100x8": Cluster("h100x8", 1, 8, 80 * GB, 256 * GB, 989e12, "H100 SXM", "NVIDIA H100", 132),
+    "h200x1": Cluster("h200x1", 1, 1, 141 * GB, 256 * GB, 989e12, "H200", "NVIDIA H200", 132),
 }
 DEFAULT_CLUSTER = "gb200-nvl72x11"
 

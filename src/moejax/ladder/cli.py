@@ -85,11 +85,12 @@ def _cmd_plan(args) -> int:
     if args.cluster not in CLUSTERS:
         raise ConfigError(f"unknown --cluster {args.cluster!r} (known: {', '.join(CLUSTERS)})")
     cfg = plan_config(preset(args.preset), args.set or [], args.mesh)
-    r = plan(cfg, CLUSTERS[args.cluster], args.mfu)
+    cluster = CLUSTERS[args.cluster]
+    r = plan(cfg, cluster, args.mfu)
     if args.lower:
         from moejax.ladder.lower import lower_in_subprocess
 
-        r["lower"] = lower_in_subprocess(cfg, args.phase)
+        r["lower"] = lower_in_subprocess(cfg, args.phase, device_kind=cluster.device_kind, cores=cluster.sm_count)
     if args.json:
         print(json.dumps(r, indent=2))
     else:

@@ -54,15 +54,19 @@ def abstract_train_inputs(cfg, mesh, phase=None):
     return state, batch, state_sh, bsh, optimizer, lr_fn
 
 
-def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None, phase=None) -> dict:
+def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None, phase=None,
+                     device_kind: str = "NVIDIA H200", cores: int = 132) -> dict:
     """Lower cfg's train step on an AbstractMesh of cfg.parallel's shape (or on `mesh`, a concrete Mesh
     of this process's devices, lowered for them); returns timing and counts. `phase` (a ContextPhase of
-    cfg.phases): that phase's batch layout, context-parallel degree and capacity factors."""
+    cfg.phases): that phase's batch layout, context-parallel degree and capacity factors. `device_kind`,
+    `cores`: the GPU the abstract mesh stands for (the kernels' Triton target)."""
     import dataclasses
 
     import contextlib
 
     import jax
+
+    from jax.sharding import AbstractDevice, use_abstract_mesh
 
     from moejax.model.kernel_choice import targeting_gpu
     from moejax.parallel.mesh import abstract_mesh
@@ -71,7 +75,8 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
 
     t0 = time.perf_counter()
     concrete = mesh is not None
-    mesh = mesh if concrete else abstract_mesh(cfg.parallel)
+    gpu = AbstractDevice(device_kind=device_kind, num_cores=cores, platform="gpu") if platform == "cuda" else None
+    mesh = mesh if concrete else abstract_mesh(cfg.parallel, gpu)
     state, batch, state_sh, bsh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh, phase)
     par = cfg.parallel if phase is None else dataclasses.replace(cfg.parallel, cf_send=phase.cf_send,
                                                                   cf_recv=phase.cf_recv)
@@ -81,11 +86,14 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     t1 = time.perf_counter()
     # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs), and the step
     # is traced as a GPU would run it: with the fused kernels, unless MOEJAX_* chooses xla.
-    with contextlib.nullcontext() if concrete or platform != "cuda" else targeting_gpu():
+    on_gpu = not concrete and platform == "cuda"
+    with (use_abstract_mesh(mesh) if on_gpu else contextlib.nullcontext()), \
+            (targeting_gpu() if on_gpu else contextlib.nullcontext()):
         lowered = fn.lower(state, batch) if concrete else fn.trace(state, batch).lower(lowering_platforms=(platform,))
     t2 = time.perf_counter()
     text = lowered.as_text()
-    return {"ok": True, "preset": cfg.name, "platform": "local devices" if concrete else platform, "mesh": dict(mesh.shape), "devices": mesh.size,
+    target = "local devices" if concrete else f"{platform} ({device_kind})" if on_gpu else platform
+    return {"ok": True, "preset": cfg.name, "platform": target, "mesh": dict(mesh.shape), "devices": mesh.size,
             "abstract_s": t1 - t0, "lower_s": t2 - t1, "hlo_chars": len(text),
             "num_partitions": _num_partitions(text), "all_to_all": text.count("stablehlo.all_to_all"),
             "gpu_kernels": text.count(f"stablehlo.custom_call @{TRITON_CALL}"),
@@ -111,11 +119,12 @@ def _main(argv: list[str]) -> None:
 
     cfg = RunConfig.from_dict(json.loads(argv[0]))
     seq_len = int(argv[1]) if len(argv) > 1 else 0
+    gpu = dict(device_kind=argv[2], cores=int(argv[3])) if len(argv) > 3 else {}
     try:
         phases = {ph.seq_len: ph for ph in cfg.phases}
         if seq_len and seq_len not in phases:
             raise ValueError(f"--phase {seq_len} is not a context phase of {cfg.name} ({', '.join(map(str, phases))})")
-        res = lower_train_step(cfg, phase=phases[seq_len or max(phases)])
+        res = lower_train_step(cfg, phase=phases[seq_len or max(phases)], **gpu)
     except Exception as e:  # reported to the parent, which prints it as one line
         res = {"ok": False, "preset": cfg.name, "error": f"{type(e).__name__}: {e}"[:2000]}
     import resource
@@ -124,11 +133,14 @@ def _main(argv: list[str]) -> None:
     print("LOWER_RESULT " + json.dumps(res))
 
 
-def lower_in_subprocess(cfg, seq_len: int | None = None, timeout_s: float = 900) -> dict:
-    """Lower `cfg`'s step at the context phase of `seq_len` (default: the longest) in a fresh interpreter."""
+def lower_in_subprocess(cfg, seq_len: int | None = None, timeout_s: float = 900, device_kind: str = "NVIDIA H200",
+                        cores: int = 132) -> dict:
+    """Lower `cfg`'s step at the context phase of `seq_len` (default: the longest) in a fresh interpreter,
+    for GPUs of `device_kind` with `cores` SMs."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moejax.ladder.lower", cfg.to_json(), str(seq_len or 0)],
+    proc = subprocess.run([sys.executable, "-m", "moejax.ladder.lower", cfg.to_json(), str(seq_len or 0),
+                           device_kind, str(cores)],
                           capture_output=True, text=True, env=env, timeout=timeout_s)
     wall = time.perf_counter() - t0
     for line in proc.stdout.splitlines():
@@ -149,7 +161,7 @@ def format_lower(r: dict) -> str:
             f"interpreter start; peak RSS {r['max_rss_gb']:.2f} GB); {r['all_to_all']} all_to_all in the lowered "
             f"text ({r['expected_all_to_all']} expected = W waves x dispatch/return x forward/backward of the "
             f"scanned layer; remat keeps the all-to-all results); {r['gpu_kernels']} fused GPU kernel calls "
-            f"(attention per batch shard; none on context-parallel phases, which use XLA attention); "
+            f"(attention per batch shard); "
             f"num_partitions {r['num_partitions']}; platform {r['platform']}; nothing compiled or allocated")
 
 

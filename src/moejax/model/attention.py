@@ -25,9 +25,10 @@ Attention core, by `attention_impl()`:
   processes queries in blocks, each rematerialised: global layers score a block against all S keys
   ([B, H, Q, S] live); local layers dynamic_slice only keys [start - window + 1, end) of a front-padded
   K/V, so their FLOPs scale with S * (Q + window) instead of S^2.
-- Context parallelism (`context` > 1, XLA path): rows are chunks of sequences; `attend_context` extends
-  each chunk's keys with the sequence's earlier positions (a window-1 halo on local layers, every earlier
-  chunk on global layers) through `layers.front_extend`, then runs the same masked cores.
+- Context parallelism (`context` > 1): rows are chunks of sequences; each chunk's keys are extended with the
+  sequence's earlier positions (a window-1 halo on local layers, every earlier chunk on global layers)
+  through `layers.front_extend`. XLA: `attend_context` runs the same masked cores on them; the kernel takes
+  the extended K/V directly (queries at the end of the keys), padded to whole key blocks.
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
 from moejax.model import kernel_choice
-from moejax.model.flash_gpu import FlashBlocks, flash_attention
+from moejax.model.flash_gpu import FlashBlocks, flash_attention, key_padding
 from moejax.model.kernel_choice import ATTENTION, kernel_impl
 from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
 
-# The kernel path's attention core: (q [B, S, H, Hd], k/v [B, S, G, Hd], segment_ids [B, S], scale,
-# window or None) -> [B, S, H, Hd] fp32. Bound to a mesh by `parallel.backends.attention_kernel`.
+# The kernel path's attention core: (q [B, S, H, Hd], k/v [B, Sk, G, Hd], segment_ids [B, Sk] (per key; the
+# queries are the last S keys), scale, window or None) -> [B, S, H, Hd] fp32. Bound to a mesh by
+# `parallel.backends.attention_kernel`.
 KernelFn = Callable[..., Array]
 
 
@@ -214,6 +216,15 @@ def attend_xla(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
     return attend_query_blocks(q, k, v, segment_ids, window, scale, qb)  # the window covers everything
 
 
+def context_keys(k, v, segment_ids, window: int | None, context: int):
+    """The kernel path's keys under context parallelism: K/V (G heads) and segment ids extended in front by
+    the sequence's earlier positions (window - 1 on local layers, the (context - 1) earlier chunks on global
+    ones; segment id -1 before the sequence start), padded up to whole key blocks."""
+    seq = k.shape[1]
+    n = key_padding(window - 1 if window is not None else (context - 1) * seq, seq)
+    return front_extend(k, n, context, 0), front_extend(v, n, context, 0), front_extend(segment_ids, n, context, -1)
+
+
 def kv_head_map(cfg: ModelConfig, is_global: bool) -> np.ndarray:
     """Which projected KV head each query head reads: H/G per head locally, H/G_global globally."""
     used = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
@@ -274,10 +285,11 @@ def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positio
     window = None if is_global else cfg.window
     scale = cfg.qk_mult / np.sqrt(cfg.head_dim)
     head_map = kv_head_map(cfg, is_global)
-    if context > 1:  # XLA only: the kernel reads no keys beyond its own row (no halo, no earlier chunks)
+    if attention_impl() == "gpu_kernel":
+        keys_in = context_keys(k, v, segment_ids, window, context) if context > 1 else (k, v, segment_ids)
+        out = kernel(q, *keys_in, scale, window)
+    elif context > 1:
         out = attend_context(q, k, v, segment_ids, window, scale, cfg.attn_q_block, context, head_map)
-    elif attention_impl() == "gpu_kernel":
-        out = kernel(q, k, v, segment_ids, scale, window)
     else:
         out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
     return xsa(out, v[:, :, head_map])

@@ -1,9 +1,11 @@
 """Fused flash attention for GPU: a Pallas kernel (Triton lowering), forward and backward.
 
-Dimensions: B batch, S sequence (queries = keys), H query heads, G KV heads (H % G == 0), Hd head dim,
-bq / bk query / key block sizes.
+Dimensions: B batch, S query positions, Sk >= S key positions (the queries are the last S of them: keys
+extended in front by context parallelism's earlier chunks or halo; Sk = S otherwise), H query heads, G KV
+heads (H % G == 0), Hd head dim, bq / bk query / key block sizes, off = Sk - S.
 What it computes (SPEC §2 attention core): out = softmax(scale * q k^T + mask) v with the mask
-causal AND same document (segment ids equal) AND, when `window` is set, q - k < window.
+causal AND same document (segment ids equal; -1 on keys before a sequence matches nothing) AND, when
+`window` is set, q - k < window, positions counted along the keys (query i sits at key position off + i).
 Notable choices:
 - Adapted from jax.experimental.pallas.ops.gpu.attention (Apache-2.0; FlashAttention-2 with base-2
   exponentials): that kernel has causal + segment masks but no sliding window and no GQA. Added here:
@@ -67,25 +69,28 @@ def _mask(q_pos, k_pos, seg_q, seg_k, window: int | None):
     return ok if window is None else ok & (diff < window)
 
 
-def _key_block_range(i, bq: int, bk: int, window: int | None):
+def _key_block_range(i, bq: int, bk: int, window: int | None, off: int = 0):
     """Key blocks a query block i touches: up to the diagonal, from the window's first key."""
-    hi = lax.div((i + 1) * bq + bk - 1, bk)
-    lo = 0 if window is None else lax.div(jnp.maximum(i * bq - window + 1, 0), bk)
+    hi = lax.div(off + (i + 1) * bq + bk - 1, bk)
+    lo = 0 if window is None else lax.div(jnp.maximum(off + i * bq - window + 1, 0), bk)
     return lo, hi
 
 
-def _query_block_range(j, bq: int, bk: int, window: int | None, n_q: int):
-    """Query blocks that see key block j: from the diagonal to the last query inside the window."""
-    lo = lax.div(j * bk, bq)
-    hi = n_q if window is None else jnp.minimum(lax.div((j + 1) * bk + window - 2, bq) + 1, n_q)
-    return lo, hi
+def _query_block_range(j, bq: int, bk: int, window: int | None, n_q: int, off: int = 0):
+    """Query blocks that see key block j: from the diagonal to the last query inside the window (none when
+    the block lies wholly before the first query's window: hi <= lo)."""
+    lo = lax.div(jnp.maximum(j * bk - off, 0), bq)
+    if window is None:
+        return lo, n_q
+    last = (j + 1) * bk + window - 2 - off  # the last query position (local) that sees this block's last key
+    return lo, jnp.where(last < 0, 0, jnp.minimum(lax.div(jnp.maximum(last, 0), bq) + 1, n_q))
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, bq, bk):
+def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, bq, bk, off):
     i = pl.program_id(0)
     q = q_ref[...]
-    q_pos = i * bq + jnp.arange(bq)
-    seg_q = seg_ref[pl.ds(i * bq, bq)]
+    q_pos = off + i * bq + jnp.arange(bq)  # along the keys
+    seg_q = seg_ref[pl.ds(off + i * bq, bq)]
 
     def body(j, carry):
         o, m, l = carry
@@ -100,17 +105,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, 
 
     init = (jnp.zeros((bq, q.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
-    o, m, l = lax.fori_loop(*_key_block_range(i, bq, bk, window), body, init)
+    o, m, l = lax.fori_loop(*_key_block_range(i, bq, bk, window, off), body, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, bq, bk):
+def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, bq, bk, off):
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...].astype(q_ref.dtype)
     lse, delta = lse_ref[...], delta_ref[...]
-    q_pos = i * bq + jnp.arange(bq)
-    seg_q = seg_ref[pl.ds(i * bq, bq)]
+    q_pos = off + i * bq + jnp.arange(bq)
+    seg_q = seg_ref[pl.ds(off + i * bq, bq)]
 
     def body(j, dq):
         ks = pl.ds(j * bk, bk)
@@ -121,12 +126,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref,
         ds = p * (_dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = lax.fori_loop(*_key_block_range(i, bq, bk, window), body, jnp.zeros((bq, q.shape[-1]), jnp.float32))
+    dq = lax.fori_loop(*_key_block_range(i, bq, bk, window, off), body, jnp.zeros((bq, q.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window,
-                bq, bk, n_q):
+                bq, bk, n_q, off):
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
@@ -137,46 +142,62 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
         qs = pl.ds(i * bq, bq)
         q, do = q_ref[qs, :], do_ref[qs, :].astype(k.dtype)
         s = _dot(q, k, trans_b=True) * (scale * LOG2E)  # [bq, bk]
-        s = jnp.where(_mask(i * bq + jnp.arange(bq), k_pos, seg_ref[qs], seg_k, window), s, MASK_VALUE)
+        seg_q = seg_ref[pl.ds(off + i * bq, bq)]
+        s = jnp.where(_mask(off + i * bq + jnp.arange(bq), k_pos, seg_q, seg_k, window), s, MASK_VALUE)
         p = jnp.exp2(s - lse_ref[qs][:, None])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
         ds = p * (_dot(do, v, trans_b=True) - delta_ref[qs][:, None])
         return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = lax.fori_loop(*_query_block_range(j, bq, bk, window, n_q), body, (zeros, zeros))
+    dk, dv = lax.fori_loop(*_query_block_range(j, bq, bk, window, n_q, off), body, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def shape_problem(seq: int, heads: int, kv_heads: int, head_dim: int, blocks: FlashBlocks = FlashBlocks(),
-                  interpret: bool = False) -> str | None:
-    """Why the kernel can't take this attention shape, or None."""
+                  interpret: bool = False, key_seq: int | None = None) -> str | None:
+    """Why the kernel can't take this attention shape (`key_seq`: keys, if more than the queries), or None."""
     if heads % kv_heads:
         return f"query heads ({heads}) not divisible by KV heads ({kv_heads})"
-    for name, b in (("q", blocks.q), ("k", blocks.k), ("q_bwd", blocks.q_bwd), ("k_bwd", blocks.k_bwd)):
-        if seq % min(b, seq):
-            return f"sequence length ({seq}) not divisible by block {name} ({b})"
+    key_seq = seq if key_seq is None else key_seq
+    if key_seq < seq:
+        return f"fewer keys ({key_seq}) than queries ({seq})"
+    for name, b, n in (("q", blocks.q, seq), ("k", blocks.k, key_seq), ("q_bwd", blocks.q_bwd, seq),
+                       ("k_bwd", blocks.k_bwd, key_seq)):
+        if n % min(b, n):
+            return f"{'sequence' if n == seq else 'key'} length ({n}) not divisible by block {name} ({b})"
     if not interpret and (head_dim < 16 or head_dim & (head_dim - 1)):
         return f"head_dim ({head_dim}) is not a power of two >= 16 (Triton's tiles)"
     return None
 
 
-def _check(q, k, blocks: FlashBlocks, interpret: bool):
-    problem = shape_problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], blocks, interpret)
+def key_padding(n: int, seq: int, blocks: FlashBlocks = FlashBlocks()) -> int:
+    """The smallest n' >= n earlier key positions for which seq + n' keys are whole key blocks: a multiple
+    of the largest key block, or, when shorter, a power of two (then one block, as Triton wants)."""
+    kb = max(blocks.k, blocks.k_bwd)  # powers of two: a multiple of both
+    total = n + seq
+    total = -(-total // kb) * kb if total > kb else 1 << (total - 1).bit_length()
+    return total - seq
+
+
+def _check(q, k, segment_ids, blocks: FlashBlocks, interpret: bool):
+    problem = shape_problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], blocks, interpret, k.shape[1])
     if problem:
         raise ValueError(f"flash attention: {problem}")
+    if segment_ids.shape != k.shape[:2]:
+        raise ValueError(f"flash attention: segment ids {segment_ids.shape} are not per key {k.shape[:2]}")
 
 
 def _specs(q, k, rows_q: int, rows_k: int, q_blocked: bool):
     """BlockSpecs for q/do (head h) and k/v (head h // (H/G)); the blocked side gets `rows` per program."""
-    s, hd = q.shape[1], q.shape[3]
+    s, sk, hd = q.shape[1], k.shape[1], q.shape[3]
     rep = q.shape[2] // k.shape[2]
     q_spec = pl.BlockSpec((None, rows_q if q_blocked else s, None, hd),
                           lambda n, b, h: (b, n if q_blocked else 0, h, 0))
-    kv_spec = pl.BlockSpec((None, s if q_blocked else rows_k, None, hd),
+    kv_spec = pl.BlockSpec((None, sk if q_blocked else rows_k, None, hd),
                            lambda n, b, h: (b, 0 if q_blocked else n, h // rep, 0))
-    seg_spec = pl.BlockSpec((None, s), lambda n, b, h: (b, 0))
+    seg_spec = pl.BlockSpec((None, sk), lambda n, b, h: (b, 0))  # per key; the queries' are the last S
     row_spec = pl.BlockSpec((None, None, rows_q if q_blocked else s),
                             lambda n, b, h: (b, h, n if q_blocked else 0))  # lse / delta, [B, H, S]
     return q_spec, kv_spec, seg_spec, row_spec
@@ -184,9 +205,10 @@ def _specs(q, k, rows_q: int, rows_k: int, q_blocked: bool):
 
 def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     bsz, s, h, hd = q.shape
-    bq, bk = min(blocks.q, s), min(blocks.k, s)
+    sk = k.shape[1]
+    bq, bk = min(blocks.q, s), min(blocks.k, sk)
     q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
-    kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk)
+    kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s)
     return pl.pallas_call(
         kernel, grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec],
         out_specs=[q_spec, row_spec],
@@ -198,13 +220,13 @@ def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
 
 def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret):
     bsz, s, h, hd = q.shape
-    g = k.shape[2]
-    bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, s)
+    sk, g = k.shape[1], k.shape[2]
+    bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, sk)
     delta = jnp.einsum("bshd,bshd->bhs", o, do.astype(jnp.float32))  # rowsum(o * dO), [B, H, S]
     ins = (q, k, v, segment_ids, do, lse, delta)
     q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk),
+        functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s),
         grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec, out_shape=out_like(q, q.shape, jnp.float32),
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dq",
@@ -212,27 +234,28 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=False)
     per_head = pl.BlockSpec((None, bk, None, hd), lambda n, b, hh: (b, n, hh, 0))  # dK/dV of query head h
     dk_h, dv_h = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq),
-        grid=(s // bk, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
-        out_specs=[per_head, per_head], out_shape=[out_like(q, q.shape, jnp.float32)] * 2,
+        functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq, off=sk - s),
+        grid=(sk // bk, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
+        out_specs=[per_head, per_head], out_shape=[out_like(q, (bsz, sk, h, hd), jnp.float32)] * 2,
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dkv",
     )(*ins)
-    group = lambda d: d.reshape(bsz, s, g, h // g, hd).sum(3)  # sum the query heads sharing a KV head
+    group = lambda d: d.reshape(bsz, sk, g, h // g, hd).sum(3)  # sum the query heads sharing a KV head
     return dq.astype(q.dtype), group(dk_h).astype(k.dtype), group(dv_h).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def flash_attention(q, k, v, segment_ids, scale: float, window: int | None = None,
                     blocks: FlashBlocks = FlashBlocks(), interpret: bool = False):
-    """q [B, S, H, Hd], k/v [B, S, G, Hd], segment_ids [B, S] int32 -> out [B, S, H, Hd] fp32.
+    """q [B, S, H, Hd], k/v [B, Sk, G, Hd], segment_ids [B, Sk] int32 (per key; the queries are the last S
+    keys) -> out [B, S, H, Hd] fp32.
 
     Causal + same-segment masking; `window` (None = global) limits q - k < window."""
-    _check(q, k, blocks, interpret)
+    _check(q, k, segment_ids, blocks, interpret)
     return _forward(q, k, v, segment_ids, scale, window, blocks, interpret)[0]
 
 
 def _flash_fwd(q, k, v, segment_ids, scale, window, blocks, interpret):
-    _check(q, k, blocks, interpret)
+    _check(q, k, segment_ids, blocks, interpret)
     o, lse = _forward(q, k, v, segment_ids, scale, window, blocks, interpret)
     return o, (q, k, v, segment_ids, o, lse)
 

@@ -79,9 +79,10 @@ GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
 KERNEL_OPS = (ATTENTION, GROUPED)
 
 
-def check_choices(model: ModelConfig | None = None, seq_len: int | None = None) -> None:
+def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ...] | None = None) -> None:
     """Raise, before a run starts, the ConfigError a bad or missing choice, or a model shape a chosen kernel
-    can't take, would raise mid-trace."""
+    can't take, would raise mid-trace. `seq_len`: the row length, or every row length the run will have
+    (context phases: seq_len / context-parallel degree)."""
     for op in KERNEL_OPS:
         kernel_impl(*op)
     if model is None:
@@ -91,7 +92,9 @@ def check_choices(model: ModelConfig | None = None, seq_len: int | None = None) 
         problems[GROUPED[0]] = grouped_gpu.shape_problem(grouped_gpu.MIN_TILE, model.latent_width,
                                                          model.expert_width)
     if kernel_impl(*ATTENTION) == "gpu_kernel" and seq_len is not None:
-        problems[ATTENTION[0]] = flash_gpu.shape_problem(seq_len, model.n_heads, model.n_kv_heads, model.head_dim)
+        rows = (seq_len,) if isinstance(seq_len, int) else seq_len
+        problems[ATTENTION[0]] = next(filter(None, (flash_gpu.shape_problem(s, model.n_heads, model.n_kv_heads,
+                                                                            model.head_dim) for s in rows)), None)
     problems = [f"{var}=gpu_kernel: {p}" for var, p in problems.items() if p]
     if problems:
         raise ConfigError("; ".join(problems) + " — fix the model, or set the variable to xla")

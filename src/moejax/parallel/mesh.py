@@ -18,7 +18,7 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from moejax.config import ConfigError, ParallelConfig
 
@@ -63,9 +63,10 @@ def make_mesh(p: ParallelConfig, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=_AXIS_TYPES)
 
 
-def abstract_mesh(p: ParallelConfig) -> AbstractMesh:
-    """The mesh of `p` without devices: for lowering layouts larger than this machine (the 704-device hero)."""
-    return AbstractMesh(p.mesh_shape, MESH_AXES, axis_types=_AXIS_TYPES)
+def abstract_mesh(p: ParallelConfig, device: AbstractDevice | None = None) -> AbstractMesh:
+    """The mesh of `p` without devices: for lowering layouts larger than this machine (the 704-device hero).
+    `device`: the accelerator it stands for (kernel lowerings read its kind, e.g. Triton's target GPU)."""
+    return AbstractMesh(p.mesh_shape, MESH_AXES, axis_types=_AXIS_TYPES, abstract_device=device)
 
 
 def param_spec(path, shape: tuple[int, ...], mesh: Mesh) -> P:
