@@ -15,6 +15,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_me
 from moejax.model import kernel_choice
 from moejax.model.flash_gpu import flash_attention
 from moejax.model.moe import grouped_gpu
+from moejax.model.moe.grouped import default_block
 from moejax.config import ParallelConfig
 from moejax.ladder.lower import abstract_train_inputs
 from moejax.parallel.backends import attention_kernel, moe_backend
@@ -123,6 +124,11 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     operands = re.findall(rf"stablehlo.custom_call @{re.escape(TRITON_CALL)}\(.*?\).*?: \((.*?)\) ->", text)
     attention = [o for o in operands if o.startswith("tensor<1x64x4x16xbf16>")]  # q of one row
     assert len(attention) == model.n_layers * 3  # forward, dq, dkv
-    grouped = len(operands) - len(attention)
-    assert grouped == (model.n_layers * 3 * 3 if par.resolved_backend == "local" else 0)
-    assert not any(o.startswith("tensor<8x64") for o in operands), "a kernel saw the global batch"
+    assert not any(o.startswith("tensor<8x64") for o in operands), "attention saw the global batch"
+    # The grouped GEMM's blocks are one shard's 64 tokens x top-2, not the batch's 512 x 2.
+    rows = 64 * model.top_k
+    b = default_block(rows, model.n_experts, grouped_gpu.MIN_TILE)
+    shard_blocks = f"tensor<{(rows + model.n_experts * (b - 1)) // b}x{b}x32xbf16>"
+    grouped = [o for o in operands if o not in attention]
+    assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
+    assert len(grouped) == (model.n_layers * 3 * 3 if par.resolved_backend == "local" else 0)

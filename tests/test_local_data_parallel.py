@@ -7,17 +7,19 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from moejax.config import ParallelConfig
+from moejax.config import ConfigError, ParallelConfig
+from moejax.model import kernel_choice
 from moejax.model.attention import flash_kernel
 from moejax.model.moe.grouped import default_block
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.model.transformer import Transformer, model_loss
-from moejax.parallel.backends import attention_kernel, local_backend
+from moejax.parallel.backends import attention_kernel, flash_per_batch_shard, local_backend
 from moejax.parallel.mesh import BATCH_SPEC, REPLICATED, make_mesh
 from tests.helpers import toy_batch, toy_model
 
@@ -77,25 +79,44 @@ def test_one_shard_is_the_plain_local_path():
     assert local_backend(make_mesh(ParallelConfig())) is routed_local_with_stats
 
 
+def _pallas_calls(jaxpr, inside: bool = False) -> dict[bool, int]:
+    """Pallas calls in a jaxpr (recursing into every sub-jaxpr), by whether they sit inside a shard_map."""
+    found = {False: 0, True: 0}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found[inside] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    for where, n in _pallas_calls(sub, inside or eqn.primitive.name == "shard_map").items():
+                        found[where] += n
+    return found
+
+
 def test_model_with_both_kernels_per_batch_shard_equals_xla(monkeypatch):
     """The whole model on data=8 with both GPU kernels chosen (through the Pallas interpreter, each under
     the batch shards' shard_map: `attention_kernel`, `local_backend`) gives the single-device XLA path's
-    loss and gradients. Pallas needs its outputs' varying axes under shard_map (`pallas_shapes.out_like`);
-    before that, any multi-GPU run with a kernel failed at trace time."""
+    loss, gradients and DropStats, and every kernel call sits inside a shard_map. Pallas needs its outputs'
+    varying axes under shard_map (`pallas_shapes.out_like`); before that, any multi-GPU run with a kernel
+    failed at trace time."""
     model = toy_model(n_layers=2, window=12)  # one local, one global layer; 1 row of 32 per device
     batch = toy_batch(model, batch=8, seq=32, doc_lens=((10, 22), (32,), (5, 5, 22)))
+    drops = ("valid", "kept", "sender_dropped", "receiver_dropped")
 
     def loss_and_grads(routed, kernel, params, batch):
-        fn = lambda p: model_loss(p, batch, model, routed, remat=False, scan_layers=False, attention_kernel=kernel)[0]
-        grad_fn = jax.value_and_grad(fn)
-        kernels = str(jax.make_jaxpr(grad_fn)(params)).count("pallas_call[")
-        return jax.jit(grad_fn)(params), kernels
+        def fn(p):
+            loss, aux = model_loss(p, batch, model, routed, remat=False, scan_layers=False, attention_kernel=kernel)
+            return loss, {k: aux["layers"][k] for k in drops}
+
+        grad_fn = jax.value_and_grad(fn, has_aux=True)
+        return jax.jit(grad_fn)(params), _pallas_calls(jax.make_jaxpr(grad_fn)(params).jaxpr)
 
     params = Transformer.init(model, jax.random.key(3))
     monkeypatch.setenv("MOEJAX_ATTENTION", "xla")
     monkeypatch.setenv("MOEJAX_GROUPED", "xla")
     want, kernels = loss_and_grads(routed_local_with_stats, flash_kernel, params, batch)
-    assert kernels == 0
+    assert kernels == {False: 0, True: 0}
 
     mesh = make_mesh(ParallelConfig(data=8))
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
@@ -103,11 +124,35 @@ def test_model_with_both_kernels_per_batch_shard_equals_xla(monkeypatch):
     placed_params = jax.device_put(params, NamedSharding(mesh, REPLICATED))
     placed_batch = jax.device_put(batch, NamedSharding(mesh, BATCH_SPEC))
     got, kernels = loss_and_grads(local_backend(mesh), attention_kernel(mesh), placed_params, placed_batch)
-    assert kernels == model.n_layers * (3 + 3 * 3)  # attention fwd, dq, dkv; 3 expert matmuls' fwd, dx, dw
-    np.testing.assert_allclose(got[0], want[0], rtol=RTOL_FP32)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(want[1])):
+    # attention fwd, dq, dkv; 3 expert matmuls' fwd, dx, dw: all per shard, none left to GSPMD
+    assert kernels == {False: 0, True: model.n_layers * (3 + 3 * 3)}
+    (loss_k, stats_k), grads_k = got
+    (loss_x, stats_x), grads_x = want
+    np.testing.assert_allclose(loss_k, loss_x, rtol=RTOL_FP32)
+    for k in drops:
+        np.testing.assert_array_equal(stats_k[k], stats_x[k], err_msg=k)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_k), jax.tree.leaves(grads_x)):
         np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=jax.tree_util.keystr(path))
 
 
-def test_attention_kernel_on_one_device_is_the_plain_kernel():
-    assert attention_kernel(make_mesh(ParallelConfig())) is flash_kernel
+def test_one_device_with_a_kernel_still_runs_it_per_shard(monkeypatch):
+    """On a one-device mesh the kernels still go through the shard_map (a GPU of a multi-GPU host must pass
+    `check_per_device`); without a kernel the local path stays the plain function."""
+    mesh = make_mesh(ParallelConfig())
+    assert local_backend(mesh) is routed_local_with_stats
+    monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    assert local_backend(mesh) is not routed_local_with_stats
+    assert attention_kernel(mesh).func is flash_per_batch_shard
+
+
+def test_a_kernel_outside_shard_map_is_refused_on_several_gpus(monkeypatch):
+    """`check_per_device`: on 8 GPUs (faked), a kernel operand that varies over no manual axis is a replicated
+    custom call in the making: refused; inside the batch shards' shard_map it passes."""
+    monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernel_choice.jax, "device_count", lambda: 8)
+    check = lambda x: (kernel_choice.check_per_device(x, "flash attention"), x)[1]
+    with pytest.raises(ConfigError, match="flash attention kernel was traced outside a per-device shard_map on 8"):
+        jax.make_jaxpr(check)(jnp.ones((8, 4)))
+    mesh = make_mesh(ParallelConfig(data=8))
+    per_shard = jax.shard_map(check, mesh=mesh, in_specs=BATCH_SPEC, out_specs=BATCH_SPEC)
+    jax.make_jaxpr(per_shard)(jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, BATCH_SPEC)))

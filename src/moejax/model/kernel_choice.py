@@ -4,13 +4,17 @@ One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: 
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
 everything else XLA; a kernel chosen off GPU runs interpreted. On several GPUs each kernel runs per device:
 its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
-`attention_kernel`), since a custom call left to GSPMD would run replicated. `targeting_gpu()` makes a
-machine without a GPU choose and lower as a GPU would (`moejax plan --lower`, the CUDA lowering tests).
+`attention_kernel`), since a custom call left to GSPMD would run replicated: `check_per_device` refuses a
+kernel traced outside one on several GPUs. `targeting_gpu()` makes a machine without a GPU choose and lower
+as a GPU would (`moejax plan --lower`, the CUDA lowering tests).
+The choice is read while a function is traced, and jit caches the trace by function: a function traced
+under one choice keeps it, so trace a newly built function (e.g. a new step) after changing it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 
 import jax
@@ -20,11 +24,11 @@ from moejax.model import flash_gpu
 from moejax.model.moe import grouped_gpu
 
 IMPLS = ("xla", "gpu_kernel")
-_targeting_gpu = False  # set by `targeting_gpu`
+_targeting_gpu = contextvars.ContextVar("moejax_targeting_gpu", default=False)  # set by `targeting_gpu`
 
 
 def _on_gpu() -> bool:
-    return _targeting_gpu or jax.default_backend() == "gpu"
+    return _targeting_gpu.get() or jax.default_backend() == "gpu"
 
 
 def kernel_impl(env_var: str, what: str) -> str:
@@ -41,19 +45,18 @@ def kernel_impl(env_var: str, what: str) -> str:
 def targeting_gpu():
     """Within the block (while tracing), choose and lower as on a GPU: unset choices default to the kernels,
     and chosen kernels lower to Triton instead of running interpreted. For lowering to CUDA on a machine
-    without a GPU; a step traced here can't run on CPU."""
-    global _targeting_gpu
-    before, _targeting_gpu = _targeting_gpu, True
+    without a GPU; a step traced here can't run on CPU (and stays in jit's cache: build a new one)."""
+    token = _targeting_gpu.set(True)
     try:
         yield
     finally:
-        _targeting_gpu = before
+        _targeting_gpu.reset(token)
 
 
 @contextlib.contextmanager
 def chosen(env_var: str, impl: str):
     """Within the block, `env_var` chooses `impl` (benchmarks A/B both paths in one process; the choice is
-    read when a function is traced, so trace, i.e. call a fresh jit, inside the block)."""
+    read when a function is traced, so build and trace a new function inside the block)."""
     if impl not in IMPLS:
         raise ConfigError(f"{env_var}={impl!r} is not one of {IMPLS}")
     before = os.environ.get(env_var)
@@ -71,6 +74,16 @@ def run_interpreted() -> bool:
     """Whether a chosen GPU kernel runs through the Pallas interpreter: off GPU (CPU tests, or a user who
     sets gpu_kernel on CPU: same values, slowly), unless `targeting_gpu`."""
     return not _on_gpu()
+
+
+def check_per_device(operand, what: str) -> None:
+    """Refuse, on several GPUs, a kernel traced outside a shard_map (its operand varies over no manual mesh
+    axis): GSPMD can't partition a custom call, so every GPU would run it on the whole batch. The callers
+    that run on a mesh take the kernels from `parallel.backends` (`attention_kernel`, `local_backend`)."""
+    if jax.default_backend() == "gpu" and jax.device_count() > 1 and not jax.typeof(operand).manual_axis_type.varying:
+        raise ConfigError(f"the {what} kernel was traced outside a per-device shard_map on {jax.device_count()} "
+                          f"GPUs, where it would run replicated: build the step with the mesh's backends "
+                          f"(moejax.parallel.backends), or set the kernel's MOEJAX_* variable to xla")
 
 
 # Every op with a GPU kernel: (environment variable, what the error calls it).
