@@ -19,7 +19,7 @@ HERO_MODEL = ModelConfig()  # the dataclass defaults are the hero (SPEC §1)
 HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
 # The seed's context extension (SPEC §5): 4K (twice the sequences per batch, for expert balancing) -> 8K
 # at 50%, -> 65K at 95%, a 262K phase near the end, tokens per step fixed. The 262K phase has 176
-# sequences for 704 devices: it needs sequence parallelism, which moejax lacks so far.
+# sequences for 704 devices: it runs with context parallelism 4 (RunConfig.phases).
 HERO_CONTEXT_SCHEDULE = "0.5:8192,0.95:65536,0.99:262144"
 
 # ---- racks and evaluation (SPEC §5) ----------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""Attention core fwd+bwd: the flash kernel vs the XLA paths, and the kernel's block sizes (not a test).
+
+One layer's attention core (after projections, before XSA), forward plus the backward to q, k and v, at
+issue 11's shape G: batch 8 x 4096, 8 query heads of 128, GQA on 2 KV heads (local, window 2048) or 1
+(global), bf16, packed documents (mean 1024 tokens). Rows:
+- flash kernel (`flash_gpu.flash_attention`) at each `--blocks` (q x k forward, q_bwd x k_bwd backward);
+- XLA query blocks (`attention.attend_xla`, attn_q_block 512, as shape G's model sets it);
+- cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal + window, *no* document mask:
+  an upper bound on what a vendor kernel gives, not a path moejax can use as is), where it runs.
+FLOPs are the useful ones: 4 * B * H * Hd * (pairs a causal / windowed mask keeps) forward, x 2.5 for
+fwd+bwd (the backward's 5 matmuls against the forward's 2), document masking not credited. Times are the
+median of --reps after one warm-up call, paths taking turns rep by rep. A path that fails prints its error.
+
+Usage (GPU): PYTHONPATH=src python bench/bench_flash.py [--blocks 128x64,64x64 64x64,64x64 128x128,64x128]
+CPU check of the script (tiny shapes, the kernel interpreted): PYTHONPATH=src python bench/bench_flash.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model.attention import attend_xla
+from moejax.model.flash_gpu import FlashBlocks, flash_attention
+
+
+def parse_blocks(text: str) -> FlashBlocks:
+    """'128x64,64x64' -> FlashBlocks(q=128, k=64, q_bwd=64, k_bwd=64)."""
+    fwd, bwd = text.split(",")
+    (q, k), (qb, kb) = (tuple(int(v) for v in part.split("x")) for part in (fwd, bwd))
+    return FlashBlocks(q=q, k=k, q_bwd=qb, k_bwd=kb)
+
+
+def packed_segments(batch: int, seq: int, mean_doc: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((batch, seq), np.int32)
+    for r in range(batch):
+        start, doc = 0, 1
+        while start < seq:
+            n = int(rng.integers(1, 2 * min(mean_doc, seq)))
+            seg[r, start:start + n] = doc
+            start, doc = start + n, doc + 1
+    return seg
+
+
+def useful_flops(batch: int, seq: int, heads: int, head_dim: int, window: int | None) -> float:
+    """fwd+bwd FLOPs of the (q, k) pairs a causal (and windowed) mask keeps."""
+    w = seq if window is None else min(window, seq)
+    pairs = w * (w + 1) / 2 + (seq - w) * w  # per row and head
+    return 2.5 * 4 * batch * heads * head_dim * pairs
+
+
+def fwd_bwd(core):
+    """jit of the value and the q/k/v gradients of sum(core(q, k, v) * ct)."""
+    def loss(q, k, v, ct):
+        return jnp.sum(core(q, k, v).astype(jnp.float32) * ct)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def cases(a, window: int | None, kv_heads: int, interpret: bool):
+    keys = jax.random.split(jax.random.key(kv_heads), 4)
+    dt = jnp.dtype(a.dtype)
+    q = jax.random.normal(keys[0], (a.batch, a.seq, a.heads, a.head_dim), dt)
+    k = jax.random.normal(keys[1], (a.batch, a.seq, kv_heads, a.head_dim), dt)
+    v = jax.random.normal(keys[2], (a.batch, a.seq, kv_heads, a.head_dim), dt)
+    ct = jax.random.normal(keys[3], q.shape, jnp.float32)
+    seg = jnp.asarray(packed_segments(a.batch, a.seq, a.mean_doc))
+    scale = 1.3 / np.sqrt(a.head_dim)
+    head_map = np.arange(a.heads) // (a.heads // kv_heads)
+    args = (q, k, v, ct)
+    out = []
+    for text in a.blocks:
+        blocks = parse_blocks(text)
+        core = lambda q, k, v, blocks=blocks: flash_attention(q, k, v, seg, scale, window, blocks, interpret)
+        out.append((f"flash {text}", fwd_bwd(core), args))
+    xla = lambda q, k, v: attend_xla(q, k[:, :, head_map], v[:, :, head_map], seg, window, scale, a.q_block)
+    out.append((f"XLA query blocks of {a.q_block}", fwd_bwd(xla), args))
+    if jax.default_backend() == "gpu":
+        cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn",
+            local_window_size=None if window is None else (window - 1, 0))
+        out.append(("cuDNN causal+window, no documents", fwd_bwd(cudnn), args))
+    return out
+
+
+def time_interleaved(runs, reps: int) -> dict:
+    """Median seconds per path (or its error text); one warm-up call each, then paths take turns."""
+    times, live = {}, []
+    for label, fn, args in runs:
+        try:
+            jax.block_until_ready(fn(*args))
+            live.append((label, fn, args))
+            times[label] = []
+        except Exception as e:  # e.g. cuDNN refusing a shape: report it, time the others
+            times[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    for _ in range(reps):
+        for label, fn, args in live:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[label].append(time.perf_counter() - t0)
+    return {k: (float(np.median(v)) if isinstance(v, list) else v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--mean-doc", type=int, default=1024)
+    ap.add_argument("--q-block", type=int, default=512, help="the XLA path's attn_q_block")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--blocks", nargs="+", default=["128x64,64x64", "64x64,64x64", "128x128,64x128", "64x128,128x64"],
+                    help="flash block sizes to time: QxK (forward),QxK (backward); the first is the default")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel interpreted")
+    a = ap.parse_args()
+    if a.smoke:
+        a.batch, a.seq, a.heads, a.head_dim, a.window, a.mean_doc, a.q_block = 1, 128, 2, 16, 48, 40, 32
+        a.blocks, a.reps, a.dtype = ["32x16,16x32"], 2, "float32"
+    interpret = jax.default_backend() != "gpu"
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
+          f"B={a.batch} S={a.seq} H={a.heads} Hd={a.head_dim} {a.dtype}, median of {a.reps}"
+          + (" (kernel interpreted: a check of the script, not a measurement)" if interpret else ""))
+    print("\n| layer | path | ms | TFLOP/s (useful) |\n|---|---|---|---|")
+    for kind, window, kv_heads in (("local", a.window, max(1, a.heads // 4)), ("global", None, max(1, a.heads // 8))):
+        flops = useful_flops(a.batch, a.seq, a.heads, a.head_dim, window)
+        for label, t in time_interleaved(cases(a, window, kv_heads, interpret), a.reps).items():
+            if isinstance(t, str):
+                print(f"| {kind} | {label} | {t} | |")
+            else:
+                print(f"| {kind} | {label} | {1e3 * t:.2f} | {flops / t / 1e12:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
