@@ -2,6 +2,7 @@
 the XLA blockwise/windowed path and the GPU flash kernel (Pallas interpret mode on CPU), values and
 gradients; plus a FLOPs guard that local layers skip key blocks outside the window."""
 
+import itertools
 import os
 from dataclasses import replace
 from unittest import mock
@@ -162,16 +163,18 @@ def test_flash_block_ranges_are_exactly_the_needed_blocks(off):
     cases = [(bq, bk, w) for bq, bk, w in [(8, 4, 6), (4, 8, 6), (16, 16, 1), (8, 8, 20), (8, 4, None), (4, 4, 13)]
              if (off + seq) % bk == 0]  # the kernel takes whole key blocks
     assert cases
-    for bq, bk, window in cases:
+    # `start`: the row's first real key (context parallelism pads the keys of a sequence's first chunks)
+    for (bq, bk, window), start in itertools.product(cases, sorted({0, off // 2, off})):
         q, k = off + np.arange(seq)[:, None], np.arange(off + seq)[None, :]
-        live = (q >= k) & (True if window is None else q - k < window)
+        live = (q >= k) & (k >= start) & (True if window is None else q - k < window)
         need = live.reshape(seq // bq, bq, (off + seq) // bk, bk).any(axis=(1, 3))  # [query block, key block]
         for i in range(seq // bq):
-            lo, hi = (int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window, off))
-            assert list(range(lo, hi)) == list(np.flatnonzero(need[i])), (bq, bk, window, i)
+            lo, hi = (int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window, off, jnp.int32(start)))
+            assert list(range(lo, hi)) == list(np.flatnonzero(need[i])), (bq, bk, window, start, i)
         for j in range((off + seq) // bk):
-            lo, hi = (int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq, off))
-            assert list(range(lo, max(lo, hi))) == list(np.flatnonzero(need[:, j])), (bq, bk, window, j)
+            lo, hi = (int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq, off,
+                                                         jnp.int32(start)))
+            assert list(range(lo, max(lo, hi))) == list(np.flatnonzero(need[:, j])), (bq, bk, window, start, j)
 
 
 @pytest.mark.parametrize("off,window", [(4, None), (12, 6), (12, 15), (28, None)])

@@ -122,9 +122,9 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
         text = (jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
                 .trace(state, batch).lower(lowering_platforms=("cuda",)).as_text())
     operands = re.findall(rf"stablehlo.custom_call @{re.escape(TRITON_CALL)}\(.*?\).*?: \((.*?)\) ->", text)
-    attention = [o for o in operands if o.startswith("tensor<1x64x4x16xbf16>")]  # q of one row
+    attention = [o for o in operands if "tensor<1x64x4x16xbf16>" in o]  # q of one row
     assert len(attention) == model.n_layers * 3  # forward, dq, dkv
-    assert not any(o.startswith("tensor<8x64") for o in operands), "attention saw the global batch"
+    assert not any("tensor<8x64" in o for o in operands), "attention saw the global batch"
     # The grouped GEMM's blocks are one shard's 64 tokens x top-2, not the batch's 512 x 2.
     rows = 64 * model.top_k
     b = default_block(rows, model.n_experts, grouped_gpu.MIN_TILE)

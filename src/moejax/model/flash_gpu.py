@@ -69,25 +69,27 @@ def _mask(q_pos, k_pos, seg_q, seg_k, window: int | None):
     return ok if window is None else ok & (diff < window)
 
 
-def _key_block_range(i, bq: int, bk: int, window: int | None, off: int = 0):
-    """Key blocks a query block i touches: up to the diagonal, from the window's first key."""
+def _key_block_range(i, bq: int, bk: int, window: int | None, off: int = 0, start=0):
+    """Key blocks a query block i touches: up to the diagonal, from the window's first key and from the
+    row's first real key `start` (keys before it precede the sequence: context parallelism's padding)."""
     hi = lax.div(off + (i + 1) * bq + bk - 1, bk)
-    lo = 0 if window is None else lax.div(jnp.maximum(off + i * bq - window + 1, 0), bk)
-    return lo, hi
+    first = start if window is None else jnp.maximum(off + i * bq - window + 1, start)
+    return lax.div(jnp.maximum(first, 0), bk), hi
 
 
-def _query_block_range(j, bq: int, bk: int, window: int | None, n_q: int, off: int = 0):
-    """Query blocks that see key block j: from the diagonal to the last query inside the window (none when
-    the block lies wholly before the first query's window: hi <= lo)."""
+def _query_block_range(j, bq: int, bk: int, window: int | None, n_q: int, off: int = 0, start=0):
+    """Query blocks that see key block j: from the diagonal to the last query inside the window; none
+    (hi <= lo) when the block lies wholly before the first query's window or the row's first real key."""
     lo = lax.div(jnp.maximum(j * bk - off, 0), bq)
-    if window is None:
-        return lo, n_q
-    last = (j + 1) * bk + window - 2 - off  # the last query position (local) that sees this block's last key
-    return lo, jnp.where(last < 0, 0, jnp.minimum(lax.div(jnp.maximum(last, 0), bq) + 1, n_q))
+    hi = n_q
+    if window is not None:
+        last = (j + 1) * bk + window - 2 - off  # the last query (local index) that sees the block's last key
+        hi = jnp.where(last < 0, 0, jnp.minimum(lax.div(jnp.maximum(last, 0), bq) + 1, n_q))
+    return lo, jnp.where((j + 1) * bk <= start, 0, hi)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, bq, bk, off):
-    i = pl.program_id(0)
+def _fwd_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, bq, bk, off):
+    i, start = pl.program_id(0), start_ref[pl.program_id(1)]
     q = q_ref[...]
     q_pos = off + i * bq + jnp.arange(bq)  # along the keys
     seg_q = seg_ref[pl.ds(off + i * bq, bq)]
@@ -105,13 +107,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, window, 
 
     init = (jnp.zeros((bq, q.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
-    o, m, l = lax.fori_loop(*_key_block_range(i, bq, bk, window, off), body, init)
+    o, m, l = lax.fori_loop(*_key_block_range(i, bq, bk, window, off, start), body, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, bq, bk, off):
-    i = pl.program_id(0)
+def _dq_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, window, bq,
+               bk, off):
+    i, start = pl.program_id(0), start_ref[pl.program_id(1)]
     q, do = q_ref[...], do_ref[...].astype(q_ref.dtype)
     lse, delta = lse_ref[...], delta_ref[...]
     q_pos = off + i * bq + jnp.arange(bq)
@@ -126,13 +129,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref,
         ds = p * (_dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = lax.fori_loop(*_key_block_range(i, bq, bk, window, off), body, jnp.zeros((bq, q.shape[-1]), jnp.float32))
+    dq = lax.fori_loop(*_key_block_range(i, bq, bk, window, off, start), body,
+                       jnp.zeros((bq, q.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, window,
-                bq, bk, n_q, off):
-    j = pl.program_id(0)
+def _dkv_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
+                window, bq, bk, n_q, off):
+    j, start = pl.program_id(0), start_ref[pl.program_id(1)]
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     seg_k = seg_ref[pl.ds(j * bk, bk)]
@@ -150,7 +154,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
         return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = lax.fori_loop(*_query_block_range(j, bq, bk, window, n_q, off), body, (zeros, zeros))
+    dk, dv = lax.fori_loop(*_query_block_range(j, bq, bk, window, n_q, off, start), body, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -203,6 +207,16 @@ def _specs(q, k, rows_q: int, rows_k: int, q_blocked: bool):
     return q_spec, kv_spec, seg_spec, row_spec
 
 
+def _first_real_key(segment_ids):
+    """[B] int32: each row's first key with a segment id >= 0 (before it: keys ahead of the sequence start,
+    which no query sees; the kernels skip their blocks)."""
+    return jnp.argmax(segment_ids >= 0, axis=1).astype(jnp.int32)
+
+
+def _whole_rows(bsz: int) -> pl.BlockSpec:
+    return pl.BlockSpec((bsz,), lambda *_: (0,))  # a [B] per-row scalar, indexed in the kernel
+
+
 def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     bsz, s, h, hd = q.shape
     sk = k.shape[1]
@@ -210,12 +224,12 @@ def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
     kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s)
     return pl.pallas_call(
-        kernel, grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec],
+        kernel, grid=(s // bq, bsz, h), in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec],
         out_specs=[q_spec, row_spec],
         out_shape=[out_like(q, q.shape, jnp.float32), out_like(q, (bsz, h, s), jnp.float32)],
         compiler_params=_compiler_params(blocks, 8 if hd > 64 else 4),  # upstream's heuristic
         interpret=interpret, name="moejax_flash_fwd",
-    )(q, k, v, segment_ids)
+    )(_first_real_key(segment_ids), q, k, v, segment_ids)
 
 
 def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret):
@@ -223,11 +237,12 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     sk, g = k.shape[1], k.shape[2]
     bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, sk)
     delta = jnp.einsum("bshd,bshd->bhs", o, do.astype(jnp.float32))  # rowsum(o * dO), [B, H, S]
-    ins = (q, k, v, segment_ids, do, lse, delta)
+    ins = (_first_real_key(segment_ids), q, k, v, segment_ids, do, lse, delta)
     q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s),
-        grid=(s // bq, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
+        grid=(s // bq, bsz, h),
+        in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec, out_shape=out_like(q, q.shape, jnp.float32),
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dq",
     )(*ins)
@@ -235,7 +250,8 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     per_head = pl.BlockSpec((None, bk, None, hd), lambda n, b, hh: (b, n, hh, 0))  # dK/dV of query head h
     dk_h, dv_h = pl.pallas_call(
         functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq, off=sk - s),
-        grid=(sk // bk, bsz, h), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
+        grid=(sk // bk, bsz, h),
+        in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
         out_specs=[per_head, per_head], out_shape=[out_like(q, (bsz, sk, h, hd), jnp.float32)] * 2,
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dkv",
     )(*ins)
