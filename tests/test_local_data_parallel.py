@@ -5,6 +5,7 @@ kernels (interpreted here) run per batch shard the same way."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import jax
 import jax.extend
@@ -13,14 +14,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from moejax.config import ConfigError, ParallelConfig
-from moejax.model import kernel_choice
+from moejax.config import ParallelConfig
 from moejax.model.attention import flash_kernel
 from moejax.model.moe.grouped import default_block
 from moejax.model.moe.layer import routed_local_with_stats
 from moejax.model.transformer import Transformer, model_loss
-from moejax.parallel.backends import attention_kernel, flash_per_batch_shard, local_backend
+from moejax.parallel.backends import attention_kernel, local_backend
 from moejax.parallel.mesh import BATCH_SPEC, REPLICATED, make_mesh
+from moejax.presets import TINY
+from moejax.train.loop import step_functions
+from moejax.train.optimizer import make_optimizer
+from moejax.train.state import init_state
 from tests.helpers import toy_batch, toy_model
 
 RTOL_FP32 = 1e-5
@@ -135,24 +139,30 @@ def test_model_with_both_kernels_per_batch_shard_equals_xla(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=jax.tree_util.keystr(path))
 
 
-def test_one_device_with_a_kernel_still_runs_it_per_shard(monkeypatch):
-    """On a one-device mesh the kernels still go through the shard_map (a GPU of a multi-GPU host must pass
-    `check_per_device`); without a kernel the local path stays the plain function."""
-    mesh = make_mesh(ParallelConfig())
-    assert local_backend(mesh) is routed_local_with_stats
+@pytest.mark.parametrize("axes", [dict(data=8), dict(expert=8)], ids=["local_data8", "ep_expert8"])
+def test_the_loops_steps_run_every_kernel_per_batch_shard(axes, monkeypatch):
+    """The train loop's own jitted steps (`loop.step_functions`) on 8 devices with both kernels chosen: every
+    kernel call sits inside a batch-shard shard_map, none is left to GSPMD (which would run it replicated,
+    every device on the whole batch). Per layer: training, attention fwd + dq + dkv and, on the local path,
+    3 expert matmuls x fwd + dx + dw; evaluation, the forwards (eval_dropless: the local path)."""
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
-    assert local_backend(mesh) is not routed_local_with_stats
-    assert attention_kernel(mesh).func is flash_per_batch_shard
-
-
-def test_a_kernel_outside_shard_map_is_refused_on_several_gpus(monkeypatch):
-    """`check_per_device`: on 8 GPUs (faked), a kernel operand that varies over no manual axis is a replicated
-    custom call in the making: refused; inside the batch shards' shard_map it passes."""
-    monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(kernel_choice.jax, "device_count", lambda: 8)
-    check = lambda x: (kernel_choice.check_per_device(x, "flash attention"), x)[1]
-    with pytest.raises(ConfigError, match="flash attention kernel was traced outside a per-device shard_map on 8"):
-        jax.make_jaxpr(check)(jnp.ones((8, 4)))
-    mesh = make_mesh(ParallelConfig(data=8))
-    per_shard = jax.shard_map(check, mesh=mesh, in_specs=BATCH_SPEC, out_specs=BATCH_SPEC)
-    jax.make_jaxpr(per_shard)(jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, BATCH_SPEC)))
+    model = toy_model(n_layers=2, window=12)
+    cfg = replace(TINY, model=model, parallel=ParallelConfig(**axes),
+                  train=replace(TINY.train, batch_size=8, seq_len=32, remat=False, scan_layers=False,
+                                optimizer="adam"))
+    mesh = make_mesh(cfg.parallel)
+    optimizer, lr_fns = make_optimizer(cfg)
+    state = init_state(cfg, optimizer, jax.random.key(0), mesh)
+    batch = jax.device_put(toy_batch(model, batch=8, seq=32), NamedSharding(mesh, BATCH_SPEC))
+    step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
+                                       None, remat=False)
+    local = cfg.parallel.resolved_backend == "local"
+    train = _pallas_calls(jax.make_jaxpr(step_fn(cfg.phases[0]))(state, batch).jaxpr)
+    assert train == {False: 0, True: model.n_layers * (3 + (9 if local else 0))}
+    bytes_per_token = jnp.ones((model.vocab_size,), jnp.float32)
+    want_eval = {"eval/": 1 + (3 if local else 0), "eval_dropless/": 1 + 3}
+    assert set(eval_fns) == ({"eval/"} if local else {"eval/", "eval_dropless/"})
+    for prefix, fn in eval_fns.items():
+        calls = _pallas_calls(jax.make_jaxpr(fn)(state.compute, batch, bytes_per_token).jaxpr)
+        assert calls == {False: 0, True: model.n_layers * want_eval[prefix]}, prefix

@@ -94,7 +94,6 @@ def attention_impl() -> str:
 
 def flash_kernel(q, k, v, segment_ids, scale: float, window: int | None):
     """The flash kernel on this device's rows (interpreted off GPU): one device, or one batch shard."""
-    kernel_choice.check_per_device(q, "flash attention")
     return flash_attention(q, k, v, segment_ids, scale, window, FlashBlocks(), kernel_choice.run_interpreted())
 
 

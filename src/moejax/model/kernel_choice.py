@@ -4,8 +4,8 @@ One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: 
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
 everything else XLA; a kernel chosen off GPU runs interpreted. On several GPUs each kernel runs per device:
 its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
-`attention_kernel`), since a custom call left to GSPMD would run replicated: `check_per_device` refuses a
-kernel traced outside one on several GPUs. `targeting_gpu()` makes a machine without a GPU choose and lower
+`attention_kernel`), since a custom call left to GSPMD would run replicated (the train loop's steps are
+tested for it: tests/test_local_data_parallel.py). `targeting_gpu()` makes a machine without a GPU choose and lower
 as a GPU would (`moejax plan --lower`, the CUDA lowering tests).
 The choice is read while a function is traced, and jit caches the trace by function: a function traced
 under one choice keeps it, so trace a newly built function (e.g. a new step) after changing it.
@@ -74,16 +74,6 @@ def run_interpreted() -> bool:
     """Whether a chosen GPU kernel runs through the Pallas interpreter: off GPU (CPU tests, or a user who
     sets gpu_kernel on CPU: same values, slowly), unless `targeting_gpu`."""
     return not _on_gpu()
-
-
-def check_per_device(operand, what: str) -> None:
-    """Refuse, on several GPUs, a kernel traced outside a shard_map (its operand varies over no manual mesh
-    axis): GSPMD can't partition a custom call, so every GPU would run it on the whole batch. The callers
-    that run on a mesh take the kernels from `parallel.backends` (`attention_kernel`, `local_backend`)."""
-    if jax.default_backend() == "gpu" and jax.device_count() > 1 and not jax.typeof(operand).manual_axis_type.varying:
-        raise ConfigError(f"the {what} kernel was traced outside a per-device shard_map on {jax.device_count()} "
-                          f"GPUs, where it would run replicated: build the step with the mesh's backends "
-                          f"(moejax.parallel.backends), or set the kernel's MOEJAX_* variable to xla")
 
 
 # Every op with a GPU kernel: (environment variable, what the error calls it).

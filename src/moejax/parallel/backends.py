@@ -60,9 +60,8 @@ def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w
 
 
 def local_backend(mesh: Mesh) -> RoutedFn:
-    """The dropless local path for `mesh`: per batch shard when there are several, or when its GPU kernel
-    runs (on one device of a multi-GPU host too: `kernel_choice.check_per_device`)."""
-    if batch_shards(mesh) == 1 and kernel_impl(*GROUPED) == "xla":
+    """The dropless local path for `mesh`: per batch shard when there are several."""
+    if batch_shards(mesh) == 1:
         return routed_local_with_stats
     return partial(routed_local_data_parallel, mesh=mesh)
 
@@ -76,8 +75,10 @@ def flash_per_batch_shard(q, k, v, segment_ids, scale: float, window: int | None
 
 
 def attention_kernel(mesh: Mesh) -> KernelFn:
-    """The attention kernel for `mesh`: per batch shard (replicated over `model`, which shards nothing), on
-    a one-device mesh too, so that a GPU of a multi-GPU host passes `kernel_choice.check_per_device`."""
+    """The attention kernel for `mesh`: per batch shard when there are several (replicated over `model`,
+    which shards nothing; a custom call left to GSPMD would run replicated over all devices)."""
+    if batch_shards(mesh) == 1:
+        return flash_kernel
     return partial(flash_per_batch_shard, mesh=mesh)
 
 

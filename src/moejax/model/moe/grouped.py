@@ -155,7 +155,6 @@ def _kernel(x_BkbZ, w_EZF) -> dict | None:
     take is an error, not a quiet fall back to the einsums."""
     if not _kernel_chosen():
         return None
-    kernel_choice.check_per_device(x_BkbZ, "grouped GEMM")
     problem = grouped_gpu.shape_problem(x_BkbZ.shape[1], *w_EZF.shape[1:])
     if problem:
         raise ConfigError(f"the grouped-GEMM GPU kernel can't take this model: {problem} (latent_width and "
