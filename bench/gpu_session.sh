@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything issue 11 needs from one GPU session, unattended, each part time-limited (~10 minutes at most):
+# Everything issue 11 needs from one GPU session, unattended, each part time-limited (~11 minutes at most):
+#   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references;
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target), tile sweep;
 #   flash    bench_flash.py: the attention core, flash kernel block sizes vs the XLA path (and cuDNN);
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile;
@@ -7,11 +8,11 @@
 # A crash or hang (a Triton compile, an OOM) costs only its part. Output: the console, and one log per part
 # under $OUT (the device tool's folder) or ./bench_out.
 # Usage, from the repository root on the GPU machine:  bash bench/gpu_session.sh
-#   PARTS="grouped flash" bash bench/gpu_session.sh   runs a subset (e.g. to split a session in two calls)
+#   PARTS="check grouped flash" bash bench/gpu_session.sh   runs a subset (e.g. to split a session in two calls)
 # CPU check of the script itself (small shapes, ~2 minutes):  SMOKE=1 bash bench/gpu_session.sh
 set -u
 out="${OUT:-bench_out}"
-parts="${PARTS:-grouped flash step ab}"
+parts="${PARTS:-check grouped flash step ab}"
 mkdir -p "$out"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # peak-memory figures from the allocator, not a 75% preallocation
@@ -29,14 +30,17 @@ part() {  # part NAME SECONDS COMMAND...
   python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"; } \
   2>&1 | tee "$out/env.log"
 if [ -n "${SMOKE:-}" ]; then
+  check_args=(--smoke)
   grouped_args=(--rows 2048 --z 64 --f 64 --experts 8 --block-sizes 64 --reps 2 --no-kernel)
   flash_args=(--smoke)
   step_args=(--smoke --steps 2)
 else
+  check_args=()
   grouped_args=(--reps 5)
   flash_args=()
   step_args=()
 fi
+part check 60 python bench/check_gpu_kernels.py "${check_args[@]}"
 part grouped 100 python bench/bench_grouped.py "${grouped_args[@]}"
 part flash 80 python bench/bench_flash.py "${flash_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"

@@ -1,0 +1,146 @@
+"""Numerics of the compiled GPU kernels against fp32 references, on the GPU itself (not a test: `make test`
+checks the same kernels through the Pallas interpreter on CPU; this checks what Triton compiled).
+
+- grouped GEMM: `grouped_swiglu` (the kernels' forward, dx and dw) vs an fp32 per-row SwiGLU, values and the
+  gradients of x and the three weights; unaligned groups with empty experts at E = 64 and 384, bf16 and fp32.
+- flash attention: the kernel vs the dense fp32 core, values and q/k/v gradients; local (window) and
+  global (GQA on 1 KV head) layers, packed documents, bf16 and fp32; and keys extended in front (context
+  parallelism: 256 earlier keys, -1 padding on one row).
+The error is the relative Frobenius norm ||got - ref|| / ||ref||. Tolerances: bf16, four bf16 roundings
+(the CPU tests' RTOL_BF16_NORM); fp32, 1e-2, because Triton's fp32 dots run in TF32 (10-bit mantissa),
+as XLA's default-precision fp32 matmuls on this GPU do. Exit status 1 if any check fails.
+
+Usage (GPU): PYTHONPATH=src python bench/check_gpu_kernels.py
+CPU check of the script (kernels interpreted, small shapes): PYTHONPATH=src python bench/check_gpu_kernels.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.model.attention import _softmax_av, block_mask
+from moejax.model.flash_gpu import FlashBlocks, flash_attention
+from moejax.model.kernel_choice import GROUPED, chosen, run_interpreted
+from moejax.model.moe.grouped import grouped_swiglu
+
+TOLERANCE = {"bfloat16": 4 * 2.0 ** -8, "float32": 1e-2}
+HP = jax.lax.Precision.HIGHEST
+
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def value_and_grads(fn, args, ct, kernels: int = 0):
+    """fn's value and the gradients of sum(fn * ct); `kernels`: how many Pallas calls the gradient must
+    hold (forward + backward kernels), so that a fallback to XLA can't pass as the kernel."""
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * ct)
+    grad = jax.grad(loss, argnums=tuple(range(len(args))))
+    found = str(jax.make_jaxpr(grad)(*args)).count("pallas_call[")
+    if found != kernels:
+        raise AssertionError(f"expected {kernels} kernel calls in the gradient, found {found}")
+    return jax.jit(fn)(*args), jax.jit(grad)(*args)
+
+
+def swiglu_reference(x, expert_A, wg, wu, wd):
+    f32 = lambda a: a.astype(jnp.float32)
+    x, wg, wu, wd = f32(x), f32(wg)[expert_A], f32(wu)[expert_A], f32(wd)[expert_A]
+    h = jax.nn.silu(jnp.einsum("az,azf->af", x, wg, precision=HP)) * jnp.einsum("az,azf->af", x, wu, precision=HP)
+    return jnp.einsum("af,afz->az", h, wd, precision=HP)
+
+
+def check_grouped(n_exp: int, rows: int, width: int, dtype: str) -> dict:
+    rng = np.random.default_rng(n_exp)
+    probs = rng.dirichlet(np.full(n_exp, 0.3))  # uneven loads, some experts empty
+    expert_A = jnp.asarray(rng.choice(n_exp, size=rows, p=probs), jnp.int32)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.normal(size=(rows, width)), dt)
+    ws = [jnp.asarray(rng.normal(size=s) / np.sqrt(width), dt)
+          for s in [(n_exp, width, width), (n_exp, width, width), (n_exp, width, width)]]
+    ct = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+    with chosen(GROUPED[0], "gpu_kernel"):  # traced inside: the kernels (fwd, dx, dw)
+        got = value_and_grads(lambda x, *w: grouped_swiglu(x, expert_A, *w), (x, *ws), ct, kernels=3 * 3)
+    ref = value_and_grads(lambda x, *w: swiglu_reference(x, expert_A, *w),
+                          (x.astype(jnp.float32), *(w.astype(jnp.float32) for w in ws)), ct)
+    names = ["y", "dx", "dw_gate", "dw_up", "dw_down"]
+    errs = [rel_err(got[0], ref[0])] + [rel_err(a, b) for a, b in zip(got[1], ref[1])]
+    empty = int(np.sum(np.bincount(np.asarray(expert_A), minlength=n_exp) == 0))
+    return {"what": f"grouped SwiGLU E={n_exp} ({empty} empty), {rows} rows x {width}, {dtype}",
+            "errors": dict(zip(names, errs)), "tol": TOLERANCE[dtype]}
+
+
+def packed_segments(batch: int, seq: int, mean_doc: int, rng) -> np.ndarray:
+    seg = np.zeros((batch, seq), np.int32)
+    for r in range(batch):
+        start, doc = 0, 1
+        while start < seq:
+            n = int(rng.integers(1, 2 * mean_doc))
+            seg[r, start:start + n] = doc
+            start, doc = start + n, doc + 1
+    return seg
+
+
+def check_flash(seq: int, heads: int, kv_heads: int, head_dim: int, window: int | None, earlier: int, dtype: str,
+                blocks: FlashBlocks) -> dict:
+    rng = np.random.default_rng(seq + kv_heads + earlier)
+    batch, dt = 2, jnp.dtype(dtype)
+    q = jnp.asarray(rng.normal(size=(batch, seq, heads, head_dim)), dt)
+    k, v = (jnp.asarray(rng.normal(size=(batch, earlier + seq, kv_heads, head_dim)), dt) for _ in range(2))
+    seg_q = packed_segments(batch, seq, max(seq // 4, 1), rng)
+    front = np.full((batch, earlier), -1, np.int32)
+    if earlier:
+        front[0, earlier // 2:] = seg_q[0, 0]  # row 0's first document began earlier; row 1 is padding there
+    seg_k = jnp.asarray(np.concatenate([front, seg_q], axis=1))
+    ct = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    scale = 1.3 / np.sqrt(head_dim)
+    head_map = np.arange(heads) // (heads // kv_heads)
+    mask = block_mask(jnp.asarray(seg_q), seg_k, earlier + jnp.arange(seq), jnp.arange(earlier + seq), window)
+    kernel = lambda q, k, v: flash_attention(q, k, v, seg_k, scale, window, blocks, run_interpreted())
+    dense = lambda q, k, v: _softmax_av(q, k[:, :, head_map], v[:, :, head_map], mask, scale)
+    got = value_and_grads(kernel, (q, k, v), ct, kernels=3)
+    with jax.default_matmul_precision("highest"):
+        ref = value_and_grads(dense, tuple(a.astype(jnp.float32) for a in (q, k, v)), ct)
+    names = ["out", "dq", "dk", "dv"]
+    errs = [rel_err(got[0], ref[0])] + [rel_err(a, b) for a, b in zip(got[1], ref[1])]
+    kind = "global" if window is None else f"local w={window}"
+    return {"what": f"flash {kind}, S={seq}{f' +{earlier} earlier keys' if earlier else ''}, {heads} heads on "
+                    f"{kv_heads}, Hd={head_dim}, {dtype}", "errors": dict(zip(names, errs)), "tol": TOLERANCE[dtype]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, kernels interpreted")
+    a = ap.parse_args()
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+          + ("; kernels interpreted (a check of the script)" if run_interpreted() else ""))
+    if a.smoke:
+        grouped = [(8, 300, 32, "float32"), (8, 300, 32, "bfloat16")]
+        flash = [(64, 4, 2, 16, 24, 0), (64, 4, 1, 16, None, 0), (64, 4, 1, 16, None, 32)]
+        blocks = FlashBlocks(q=16, k=16, q_bwd=16, k_bwd=16)
+    else:
+        grouped = [(e, 8192, 256, dt) for e in (64, 384) for dt in ("bfloat16", "float32")]
+        flash = [(1024, 8, 2, 128, 256, 0), (1024, 8, 1, 128, None, 0), (1024, 8, 1, 128, None, 256),
+                 (1024, 8, 2, 128, 256, 256)]
+        blocks = FlashBlocks()
+    results = [check_grouped(*g) for g in grouped]
+    for dt in ("bfloat16", "float32"):
+        results += [check_flash(*f[:5], f[5], dt, blocks) for f in flash]
+    failed = 0
+    for r in results:
+        worst = max(r["errors"].values())
+        ok = worst <= r["tol"]
+        failed += not ok
+        detail = ", ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
+        print(f"{'ok  ' if ok else 'FAIL'} {r['what']}: {detail} (tolerance {r['tol']:.1e})", flush=True)
+    print(f"{len(results) - failed} of {len(results)} checks within tolerance")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
