@@ -97,19 +97,29 @@ def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
     for impl in ("xla", "gpu_kernel") if a.kernel else ("xla",):
         out.append((f"block matmul only, {impl}, b={layout.block}, {layout.n_blocks} blocks",
                     fwd_bwd(lambda x, w, e, c: block_matmul(x, w, e, c), grouped=impl), block_args))
-    for tiles in a.tiles if a.kernel else ():
-        t = grouped_gpu.GemmTiles(tn=tiles[0], tk=tiles[1], tz=tiles[0], tf=tiles[1])
+    for t in a.tiles if a.kernel else ():
 
         def three_kernels(x, w, dy, e, c, t=t):
             kw = dict(tiles=t, interpret=kernel_choice.run_interpreted())
             return (grouped_gpu.matmul(x, w, e, c, **kw), grouped_gpu.matmul_dx(dy, w, e, c, **kw),
                     grouped_gpu.matmul_dw(x, dy, c, **kw))
-        out.append((f"kernels fwd + dx + dw only, tiles {tiles[0]}x{tiles[1]}", jax.jit(three_kernels), block_args))
+        out.append((f"kernels fwd + dx + dw only, tiles {t.tn}x{t.tk}, {t.num_stages} stages, {t.num_warps} warps",
+                    jax.jit(three_kernels), block_args))
     if a.ragged:
         sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
         out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))
     out.append(("dense dot (same FLOPs)", fwd_bwd(lambda x, w: x @ w), (x_AZ, w_EZF[0], ct_AF)))
     return out
+
+
+def parse_tiles(text: str) -> grouped_gpu.GemmTiles:
+    """'128x64' / '128x64:3' / '128x64:3:4' -> GemmTiles (tn x tk, tz x tf the same; stages; warps)."""
+    size, *launch = text.split(":")
+    tn, tk = (int(v) for v in size.split("x"))
+    stages, warps = ([int(v) for v in launch] + [None, None])[:2]
+    base = grouped_gpu.GemmTiles()
+    return grouped_gpu.GemmTiles(tn=tn, tk=tk, tz=tn, tf=tk, num_stages=stages or base.num_stages,
+                                 num_warps=warps or base.num_warps)
 
 
 def main() -> None:
@@ -124,9 +134,10 @@ def main() -> None:
     ap.add_argument("--no-ragged", dest="ragged", action="store_false", help="skip ragged_dot (slow on CPU)")
     ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=jax.default_backend() == "gpu",
                     help="also time the Pallas grouped-GEMM kernels (default on GPU; interpreted, slowly, on CPU)")
-    ap.add_argument("--tiles", nargs="*", default=[(64, 64), (128, 64), (64, 128), (128, 128)],
-                    type=lambda s: tuple(int(v) for v in s.split("x")),
-                    help="with --kernel: also time the three kernels alone at these largest output x contraction tiles")
+    ap.add_argument("--tiles", nargs="*", type=parse_tiles,
+                    default=[parse_tiles(s) for s in ("64x64", "128x64", "128x64:3", "128x64:3:4", "64x128", "128x128")],
+                    help="with --kernel: also time the three kernels alone at these tiles: output x contraction "
+                         "(the weight-gradient tile the same)[:pipeline stages[:warps]]")
     if jax.default_backend() == "gpu":  # issue 11's GPU shape
         ap.set_defaults(**GPU_DEFAULTS)
     a = ap.parse_args()
