@@ -77,7 +77,8 @@ def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
     optimizer, lr_fn = make_optimizer(cfg)
     state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
     batch = jax.eval_shape(lambda: toy_batch(model, batch=2, seq=64, doc_lens=((20, 44), (64,))))
-    step = make_train_step(model, optimizer, lr_fn, remat=remat, scan_layers=False)
+    with kernel_choice.targeting_gpu():  # the step fixes its kernel choices when built
+        step = make_train_step(model, optimizer, lr_fn, remat=remat, scan_layers=False)
     per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
     assert _triton_calls(step, state, batch) == model.n_layers * per_layer
 
@@ -94,7 +95,8 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
     shape = (cfg.train.batch_size, cfg.train.seq_len)
     batch = {k: _spec(shape, jnp.int32) for k in ("tokens", "targets", "segment_ids", "positions")}
     batch["loss_mask"] = _spec(shape, jnp.bool_)
-    step = make_train_step(cfg.model, optimizer, lr_fn, remat=True, scan_layers=cfg.train.scan_layers)
+    with kernel_choice.targeting_gpu():
+        step = make_train_step(cfg.model, optimizer, lr_fn, remat=True, scan_layers=cfg.train.scan_layers)
     # One scanned body: both attention kinds under the lax.cond (forward + remat forward each), three expert
     # matmuls (forward + remat forward, dx, dw).
     assert cfg.model.n_experts == 384 and cfg.train.scan_layers
@@ -116,9 +118,9 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     mesh = AbstractMesh(par.mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                         abstract_device=H200)
     state, batch, state_sh, batch_sh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh)
-    step = make_train_step(model, optimizer, lr_fn, moe_backend(par, mesh), remat=False, scan_layers=False,
-                           attention_kernel=attention_kernel(mesh))
     with use_abstract_mesh(mesh), kernel_choice.targeting_gpu():
+        step = make_train_step(model, optimizer, lr_fn, moe_backend(par, mesh), remat=False, scan_layers=False,
+                               attention_kernel=attention_kernel(mesh))
         text = (jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
                 .trace(state, batch).lower(lowering_platforms=("cuda",)).as_text())
     operands = re.findall(rf"stablehlo.custom_call @{re.escape(TRITON_CALL)}\(.*?\).*?: \((.*?)\) ->", text)

@@ -136,3 +136,21 @@ def test_grouped_choice_defaults_to_xla_off_gpu_and_chosen_restores(monkeypatch)
     with pytest.raises(ConfigError, match="'triton' is not one of"):
         with chosen("MOEJAX_GROUPED", "triton"):
             pass
+
+
+def test_a_step_keeps_the_kernel_choice_it_was_built_with(monkeypatch):
+    """`make_eval_step` (as `make_train_step`) pins the choices when built: tracing later, under another
+    MOEJAX_GROUPED, still gives the built one (jit may trace a step long after it is made)."""
+    from moejax.model.transformer import Transformer
+    from moejax.train.step import make_eval_step
+    from tests.helpers import toy_batch, toy_model
+
+    model = toy_model(n_layers=1)
+    params, batch = Transformer.init(model, jax.random.key(0)), toy_batch(model)
+    bytes_per_token = jnp.ones((model.vocab_size,), jnp.float32)
+    calls = lambda step: str(jax.make_jaxpr(step)(params, batch, bytes_per_token)).count("pallas_call[")
+    for built, later, kernels in (("gpu_kernel", "xla", 3), ("xla", "gpu_kernel", 0)):
+        monkeypatch.setenv("MOEJAX_GROUPED", built)
+        step = make_eval_step(model)
+        monkeypatch.setenv("MOEJAX_GROUPED", later)
+        assert calls(step) == kernels, (built, later)

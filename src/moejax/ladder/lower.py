@@ -80,15 +80,15 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     state, batch, state_sh, bsh, optimizer, lr_fn = abstract_train_inputs(cfg, mesh, phase)
     par = cfg.parallel if phase is None else dataclasses.replace(cfg.parallel, cf_send=phase.cf_send,
                                                                   cf_recv=phase.cf_recv)
-    step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(par, mesh), remat=remat,
-                           context=1 if phase is None else phase.context, attention_kernel=attention_kernel(mesh))
-    fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))
-    t1 = time.perf_counter()
     # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs), and the step
-    # is traced as a GPU would run it: with the fused kernels, unless MOEJAX_* chooses xla.
+    # is built and traced as a GPU would run it: with the fused kernels, unless MOEJAX_* chooses xla.
     on_gpu = not concrete and platform == "cuda"
     with (use_abstract_mesh(mesh) if on_gpu else contextlib.nullcontext()), \
             (targeting_gpu() if on_gpu else contextlib.nullcontext()):
+        step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(par, mesh), remat=remat,
+                               context=1 if phase is None else phase.context, attention_kernel=attention_kernel(mesh))
+        fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))
+        t1 = time.perf_counter()
         lowered = fn.lower(state, batch) if concrete else fn.trace(state, batch).lower(lowering_platforms=(platform,))
     t2 = time.perf_counter()
     text = lowered.as_text()

@@ -7,8 +7,9 @@ its caller wraps it in shard_map over the batch shards (`parallel.backends`: the
 `attention_kernel`), since a custom call left to GSPMD would run replicated (the train loop's steps are
 tested for it: tests/test_local_data_parallel.py). `targeting_gpu()` makes a machine without a GPU choose and lower
 as a GPU would (`moejax plan --lower`, the CUDA lowering tests).
-The choice is read while a function is traced, and jit caches the trace by function: a function traced
-under one choice keeps it, so trace a newly built function (e.g. a new step) after changing it.
+The choice is read while a function is traced. The step builders (`train.step`) fix it when the step is
+built (`current`, `pinned`), so a step runs what was chosen when it was made, whenever jit traces it; for
+other functions, jit caches the trace by function: trace a newly built one after changing the choice.
 """
 
 from __future__ import annotations
@@ -25,14 +26,21 @@ from moejax.model.moe import grouped_gpu
 
 IMPLS = ("xla", "gpu_kernel")
 _targeting_gpu = contextvars.ContextVar("moejax_targeting_gpu", default=False)  # set by `targeting_gpu`
+_pinned = contextvars.ContextVar("moejax_pinned_kernels", default=None)  # set by `pinned`
 
 
 def _on_gpu() -> bool:
+    pin = _pinned.get()
+    if pin is not None:
+        return pin["on_gpu"]
     return _targeting_gpu.get() or jax.default_backend() == "gpu"
 
 
 def kernel_impl(env_var: str, what: str) -> str:
-    """'gpu_kernel' or 'xla' for the op `what` (named in errors), by the rule above."""
+    """'gpu_kernel' or 'xla' for the op `what` (named in errors), by the rule above (or as `pinned`)."""
+    pin = _pinned.get()
+    if pin is not None:
+        return pin["impl"][env_var]
     chosen = os.environ.get(env_var) or None
     if chosen is not None and chosen not in IMPLS:
         raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS} (the {what} implementation)")
@@ -51,6 +59,21 @@ def targeting_gpu():
         yield
     finally:
         _targeting_gpu.reset(token)
+
+
+def current() -> dict:
+    """Every op's implementation, and whether kernels lower for a GPU, as of now: what a builder pins."""
+    return {"impl": {op[0]: kernel_impl(*op) for op in KERNEL_OPS}, "on_gpu": _on_gpu()}
+
+
+@contextlib.contextmanager
+def pinned(choices: dict):
+    """Within the block, `choices` (from `current`) decide, whatever the environment says by then."""
+    token = _pinned.set(choices)
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from moejax.config import ModelConfig
+from moejax.model import kernel_choice
 from moejax.model.attention import KernelFn, flash_kernel
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
@@ -94,9 +95,12 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     """`context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`).
     `scan_layers`: `lax.scan` over the layers, or unrolled (`transformer.run_layers`).
     `routed`, `attention_kernel`: bound to the run's mesh by `parallel.backends` (`moe_backend`,
-    `attention_kernel`); the defaults are single-device."""
+    `attention_kernel`); the defaults are single-device. The GPU-kernel choices (`kernel_choice`) are fixed
+    now, when the step is built, not when jit traces it."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
+    kernels = kernel_choice.current()
 
+    @kernel_choice.pinned(kernels)
     def train_step(state: TrainState, batch: dict):
         # Forward and backward read the device-resident compute copy (upcast: fp32 leaves give fp32 grads
         # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
@@ -142,6 +146,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
 
 def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats, scan_layers: bool = True,
                    attention_kernel: KernelFn = flash_kernel):
+    """The eval step (loss sums, bytes, MoE metrics); GPU-kernel choices fixed when built, as for training."""
+
+    @kernel_choice.pinned(kernel_choice.current())
     def eval_step(params, batch, bytes_per_token):
         _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers,
                             attention_kernel=attention_kernel)
