@@ -13,8 +13,9 @@ Notable choices:
   S * (bq + window), not S^2 / 2); GQA by index map (query head h reads KV head h // (H/G), no repeated
   K/V in memory); fp32 output (the XLA path's dtype, so XSA downstream sees the same values).
 - Backward as two kernels (dK/dV looping over query blocks, dQ looping over key blocks) with the same
-  block skipping; dK/dV come out per query head and are summed over the H/G heads of each KV head in XLA.
-  delta = rowsum(o * dO) is an XLA reduction.
+  block skipping; each dK/dV program sums over the H/G query heads of its KV head in registers, so no
+  per-query-head [B, Sk, H, Hd] fp32 gradient is written (at the hero's 48 heads on 12/6 that would be 4-8x
+  the K/V gradient's size). delta = rowsum(o * dO) is an XLA reduction.
 - Every query sees at least itself (the diagonal is same-document and inside any window >= 1), so no
   row is fully masked; a masked block processed before the diagonal is wiped by the running-max
   correction (exp2(MASK - m) = 0), as in the upstream kernel.
@@ -135,26 +136,33 @@ def _dq_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_r
 
 
 def _dkv_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
-                window, bq, bk, n_q, off):
+                window, bq, bk, n_q, off, rep):
+    """dK/dV of one key block of one KV head, summed in registers over the `rep` query heads that read it
+    (q/do blocks [S, rep, Hd], lse/delta [rep, S]): head by head, each over its query blocks, then added —
+    the order of the per-head gradients' sum, as the XLA path's."""
     j, start = pl.program_id(0), start_ref[pl.program_id(1)]
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     seg_k = seg_ref[pl.ds(j * bk, bk)]
 
-    def body(i, carry):
+    def body(i, carry, r: int):
         dk, dv = carry
         qs = pl.ds(i * bq, bq)
-        q, do = q_ref[qs, :], do_ref[qs, :].astype(k.dtype)
+        q, do = q_ref[qs, r, :], do_ref[qs, r, :].astype(k.dtype)
         s = _dot(q, k, trans_b=True) * (scale * LOG2E)  # [bq, bk]
         seg_q = seg_ref[pl.ds(off + i * bq, bq)]
         s = jnp.where(_mask(off + i * bq + jnp.arange(bq), k_pos, seg_q, seg_k, window), s, MASK_VALUE)
-        p = jnp.exp2(s - lse_ref[qs][:, None])
+        p = jnp.exp2(s - lse_ref[r, qs][:, None])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (_dot(do, v, trans_b=True) - delta_ref[qs][:, None])
+        ds = p * (_dot(do, v, trans_b=True) - delta_ref[r, qs][:, None])
         return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
-    dk, dv = lax.fori_loop(*_query_block_range(j, bq, bk, window, n_q, off, start), body, (zeros, zeros))
+    lo, hi = _query_block_range(j, bq, bk, window, n_q, off, start)
+    dk, dv = zeros, zeros
+    for r in range(rep):
+        dk_r, dv_r = lax.fori_loop(lo, hi, functools.partial(body, r=r), (zeros, zeros))
+        dk, dv = dk + dk_r, dv + dv_r
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -193,17 +201,15 @@ def _check(q, k, segment_ids, blocks: FlashBlocks, interpret: bool):
         raise ValueError(f"flash attention: segment ids {segment_ids.shape} are not per key {k.shape[:2]}")
 
 
-def _specs(q, k, rows_q: int, rows_k: int, q_blocked: bool):
-    """BlockSpecs for q/do (head h) and k/v (head h // (H/G)); the blocked side gets `rows` per program."""
-    s, sk, hd = q.shape[1], k.shape[1], q.shape[3]
+def _query_specs(q, k, rows_q: int):
+    """BlockSpecs of the query-blocked kernels (grid: query block, row, query head h): q/do blocks of
+    `rows_q`, all keys of KV head h // (H/G), per-key segment ids, lse/delta [B, H, S] blocks."""
+    sk, hd = k.shape[1], q.shape[3]
     rep = q.shape[2] // k.shape[2]
-    q_spec = pl.BlockSpec((None, rows_q if q_blocked else s, None, hd),
-                          lambda n, b, h: (b, n if q_blocked else 0, h, 0))
-    kv_spec = pl.BlockSpec((None, sk if q_blocked else rows_k, None, hd),
-                           lambda n, b, h: (b, 0 if q_blocked else n, h // rep, 0))
+    q_spec = pl.BlockSpec((None, rows_q, None, hd), lambda n, b, h: (b, n, h, 0))
+    kv_spec = pl.BlockSpec((None, sk, None, hd), lambda n, b, h: (b, 0, h // rep, 0))
     seg_spec = pl.BlockSpec((None, sk), lambda n, b, h: (b, 0))  # per key; the queries' are the last S
-    row_spec = pl.BlockSpec((None, None, rows_q if q_blocked else s),
-                            lambda n, b, h: (b, h, n if q_blocked else 0))  # lse / delta, [B, H, S]
+    row_spec = pl.BlockSpec((None, None, rows_q), lambda n, b, h: (b, h, n))
     return q_spec, kv_spec, seg_spec, row_spec
 
 
@@ -221,7 +227,7 @@ def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     bsz, s, h, hd = q.shape
     sk = k.shape[1]
     bq, bk = min(blocks.q, s), min(blocks.k, sk)
-    q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
+    q_spec, kv_spec, seg_spec, row_spec = _query_specs(q, k, bq)
     kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s)
     return pl.pallas_call(
         kernel, grid=(s // bq, bsz, h), in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec],
@@ -238,7 +244,7 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, sk)
     delta = jnp.einsum("bshd,bshd->bhs", o, do.astype(jnp.float32))  # rowsum(o * dO), [B, H, S]
     ins = (_first_real_key(segment_ids), q, k, v, segment_ids, do, lse, delta)
-    q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=True)
+    q_spec, kv_spec, seg_spec, row_spec = _query_specs(q, k, bq)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s),
         grid=(s // bq, bsz, h),
@@ -246,17 +252,20 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
         out_specs=q_spec, out_shape=out_like(q, q.shape, jnp.float32),
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dq",
     )(*ins)
-    q_spec, kv_spec, seg_spec, row_spec = _specs(q, k, bq, bk, q_blocked=False)
-    per_head = pl.BlockSpec((None, bk, None, hd), lambda n, b, hh: (b, n, hh, 0))  # dK/dV of query head h
-    dk_h, dv_h = pl.pallas_call(
-        functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq, off=sk - s),
-        grid=(sk // bk, bsz, h),
-        in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
-        out_specs=[per_head, per_head], out_shape=[out_like(q, (bsz, sk, h, hd), jnp.float32)] * 2,
+    # dK/dV: one program per (key block, row, KV head), looping over the query heads of its group.
+    rep = h // g
+    q_group = pl.BlockSpec((None, s, rep, hd), lambda n, b, kh: (b, 0, kh, 0))
+    rows_group = pl.BlockSpec((None, rep, s), lambda n, b, kh: (b, kh, 0))  # lse / delta of the group's heads
+    kv_block = pl.BlockSpec((None, bk, None, hd), lambda n, b, kh: (b, n, kh, 0))
+    seg_spec = pl.BlockSpec((None, sk), lambda n, b, kh: (b, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq, off=sk - s, rep=rep),
+        grid=(sk // bk, bsz, g),
+        in_specs=[_whole_rows(bsz), q_group, kv_block, kv_block, seg_spec, q_group, rows_group, rows_group],
+        out_specs=[kv_block, kv_block], out_shape=[out_like(q, k.shape, k.dtype), out_like(q, v.shape, v.dtype)],
         compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dkv",
     )(*ins)
-    group = lambda d: d.reshape(bsz, sk, g, h // g, hd).sum(3)  # sum the query heads sharing a KV head
-    return dq.astype(q.dtype), group(dk_h).astype(k.dtype), group(dv_h).astype(v.dtype)
+    return dq.astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
