@@ -18,12 +18,13 @@ CPU check of the script (tiny shapes, the kernel interpreted): PYTHONPATH=src py
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_gpu import packed_segments  # bench/ is sys.path[0] when run as a script
+from bench_grouped import time_interleaved
 from moejax.model.attention import attend_xla
 from moejax.model.flash_gpu import FlashBlocks, flash_attention
 
@@ -34,18 +35,6 @@ def parse_blocks(text: str) -> FlashBlocks:
     fwd, bwd = text.split(",")
     (q, k), (qb, kb) = (tuple(int(v) for v in part.split("x")) for part in (fwd, bwd))
     return FlashBlocks(q=q, k=k, q_bwd=qb, k_bwd=kb, num_stages=int(stages or FlashBlocks.num_stages))
-
-
-def packed_segments(batch: int, seq: int, mean_doc: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    seg = np.zeros((batch, seq), np.int32)
-    for r in range(batch):
-        start, doc = 0, 1
-        while start < seq:
-            n = int(rng.integers(1, 2 * min(mean_doc, seq)))
-            seg[r, start:start + n] = doc
-            start, doc = start + n, doc + 1
-    return seg
 
 
 def useful_flops(batch: int, seq: int, heads: int, head_dim: int, window: int | None) -> float:
@@ -69,7 +58,7 @@ def cases(a, window: int | None, kv_heads: int, interpret: bool):
     k = jax.random.normal(keys[1], (a.batch, a.seq, kv_heads, a.head_dim), dt)
     v = jax.random.normal(keys[2], (a.batch, a.seq, kv_heads, a.head_dim), dt)
     ct = jax.random.normal(keys[3], q.shape, jnp.float32)
-    seg = jnp.asarray(packed_segments(a.batch, a.seq, a.mean_doc))
+    seg = jnp.asarray(packed_segments(a.batch, a.seq, min(a.mean_doc, a.seq), np.random.default_rng(0)))
     scale = 1.3 / np.sqrt(a.head_dim)
     head_map = np.arange(a.heads) // (a.heads // kv_heads)
     args = (q, k, v, ct)
@@ -86,24 +75,6 @@ def cases(a, window: int | None, kv_heads: int, interpret: bool):
             local_window_size=None if window is None else (window - 1, 0))
         out.append(("cuDNN causal+window, no documents", fwd_bwd(cudnn), args))
     return out
-
-
-def time_interleaved(runs, reps: int) -> dict:
-    """Median seconds per path (or its error text); one warm-up call each, then paths take turns."""
-    times, live = {}, []
-    for label, fn, args in runs:
-        try:
-            jax.block_until_ready(fn(*args))
-            live.append((label, fn, args))
-            times[label] = []
-        except Exception as e:  # e.g. cuDNN refusing a shape: report it, time the others
-            times[label] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    for _ in range(reps):
-        for label, fn, args in live:
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[label].append(time.perf_counter() - t0)
-    return {k: (float(np.median(v)) if isinstance(v, list) else v) for k, v in times.items()}
 
 
 def main() -> None:

@@ -70,19 +70,28 @@ def smoke(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, model=m, train=dataclasses.replace(cfg.train, seq_len=64, batch_size=4))
 
 
+def packed_segments(rows: int, length: int, mean_doc: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, length] segment ids of packed documents of random length (uniform in [1, 2 * mean_doc)),
+    numbered from 1 in each row (bench_flash.py and check_gpu_kernels.py use it too)."""
+    seg = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        start, doc = 0, 1
+        while start < length:
+            n = int(rng.integers(1, 2 * mean_doc))
+            seg[r, start:start + n] = doc
+            start, doc = start + n, doc + 1
+    return seg
+
+
 def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
     """Packed rows of random tokens: documents of random length (mean `mean_doc`), segment ids from 1."""
     rng = np.random.default_rng(seed)
     b, s = cfg.train.batch_size, cfg.train.seq_len
     tokens = rng.integers(0, cfg.model.vocab_size, (b, s + 1), dtype=np.int32)
-    seg = np.zeros((b, s + 1), np.int32)
-    pos = np.zeros((b, s + 1), np.int32)
-    for r in range(b):
-        start, doc = 0, 1
-        while start < s + 1:
-            n = int(rng.integers(1, 2 * min(mean_doc, s)))
-            seg[r, start:start + n], pos[r, start:start + n] = doc, np.arange(min(n, s + 1 - start))
-            start, doc = start + n, doc + 1
+    seg = packed_segments(b, s + 1, min(mean_doc, s), rng)
+    idx = np.arange(s + 1)
+    doc_start = np.maximum.accumulate(np.where(np.diff(seg, axis=1, prepend=0) != 0, idx, 0), axis=1)
+    pos = (idx - doc_start).astype(np.int32)  # position inside its document
     return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg[:, :-1],
             "positions": pos[:, :-1], "loss_mask": seg[:, 1:] == seg[:, :-1]}
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_gpu import packed_segments  # bench/ is sys.path[0] when run as a script
 from moejax.model.attention import _softmax_av, block_mask
 from moejax.model.flash_gpu import FlashBlocks, flash_attention
 from moejax.model.kernel_choice import GROUPED, chosen, run_interpreted
@@ -74,17 +75,6 @@ def check_grouped(n_exp: int, rows: int, width: int, dtype: str) -> dict:
     empty = int(np.sum(np.bincount(np.asarray(expert_A), minlength=n_exp) == 0))
     return {"what": f"grouped SwiGLU E={n_exp} ({empty} empty), {rows} rows x {width}, {dtype}",
             "errors": dict(zip(names, errs)), "tol": TOLERANCE[dtype]}
-
-
-def packed_segments(batch: int, seq: int, mean_doc: int, rng) -> np.ndarray:
-    seg = np.zeros((batch, seq), np.int32)
-    for r in range(batch):
-        start, doc = 0, 1
-        while start < seq:
-            n = int(rng.integers(1, 2 * mean_doc))
-            seg[r, start:start + n] = doc
-            start, doc = start + n, doc + 1
-    return seg
 
 
 def check_flash(seq: int, heads: int, kv_heads: int, head_dim: int, window: int | None, earlier: int, dtype: str,

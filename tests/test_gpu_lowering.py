@@ -17,7 +17,7 @@ from moejax.model.flash_gpu import flash_attention
 from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import default_block
 from moejax.config import ParallelConfig
-from moejax.ladder.lower import abstract_train_inputs
+from moejax.ladder.lower import TRITON_CALL, abstract_train_inputs
 from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import MESH_AXES
 from moejax.presets import TINY, ladder_rung
@@ -26,7 +26,6 @@ from moejax.train.state import init_state
 from moejax.train.step import make_train_step
 from tests.helpers import toy_batch, toy_model
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
@@ -108,7 +107,7 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     """On 8 abstract H200s, the train step's kernels are called inside the batch shards' shard_map with one
     device's rows (batch 8 over 8 shards: 1 row each): attention on both MoE backends, the grouped GEMM on
     the local one (the EP backend's experts are batched einsums on its fixed buffers). Under shard_map
-    Pallas must be told its outputs' varying axes (`pallas_shapes.out_like`); without that this raised."""
+    Pallas must be told its outputs' varying axes (`pallas_util.out_like`); without that this raised."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
     model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,

@@ -102,7 +102,7 @@ def test_model_with_both_kernels_per_batch_shard_equals_xla(monkeypatch):
     """The whole model on data=8 with both GPU kernels chosen (through the Pallas interpreter, each under
     the batch shards' shard_map: `attention_kernel`, `local_backend`) gives the single-device XLA path's
     loss, gradients and DropStats, and every kernel call sits inside a shard_map. Pallas needs its outputs'
-    varying axes under shard_map (`pallas_shapes.out_like`); before that, any multi-GPU run with a kernel
+    varying axes under shard_map (`pallas_util.out_like`); before that, any multi-GPU run with a kernel
     failed at trace time."""
     model = toy_model(n_layers=2, window=12)  # one local, one global layer; 1 row of 32 per device
     batch = toy_batch(model, batch=8, seq=32, doc_lens=((10, 22), (32,), (5, 5, 22)))

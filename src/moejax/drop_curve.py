@@ -83,10 +83,10 @@ def make_drop_measure(cfg: ModelConfig, mesh: Mesh, *, cf_send: float, cf_recv: 
     loader's numpy dict.
     """
     routed = partial(routed_expert_parallel, mesh=mesh, waves=waves, cf_send=cf_send, cf_recv=cf_recv)
-    hook = qb_hook(cfg)
+    hook, kernel = qb_hook(cfg), attention_kernel(mesh)
 
     def measure(params: Transformer, batch: dict):
-        _, aux = model_loss(params, batch, cfg, routed, hook, remat=False, attention_kernel=attention_kernel(mesh))
+        _, aux = model_loss(params, batch, cfg, routed, hook, remat=False, attention_kernel=kernel)
         layers = aux["layers"]
         counts = {k: layers[k] for k in ("valid", "kept", "sender_dropped", "receiver_dropped")}
         return counts, aux["cross_entropy_loss"], layers["qb_bias"]

@@ -60,12 +60,10 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     of this process's devices, lowered for them); returns timing and counts. `phase` (a ContextPhase of
     cfg.phases): that phase's batch layout, context-parallel degree and capacity factors. `device_kind`,
     `cores`: the GPU the abstract mesh stands for (the kernels' Triton target)."""
+    import contextlib
     import dataclasses
 
-    import contextlib
-
     import jax
-
     from jax.sharding import AbstractDevice, use_abstract_mesh
 
     from moejax.model.kernel_choice import targeting_gpu
@@ -83,8 +81,10 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     # An AbstractMesh has no devices, so the target platform is named (the hero runs on GPUs), and the step
     # is built and traced as a GPU would run it: with the fused kernels, unless MOEJAX_* chooses xla.
     on_gpu = not concrete and platform == "cuda"
-    with (use_abstract_mesh(mesh) if on_gpu else contextlib.nullcontext()), \
-            (targeting_gpu() if on_gpu else contextlib.nullcontext()):
+    with contextlib.ExitStack() as as_on_gpu:
+        if on_gpu:
+            as_on_gpu.enter_context(use_abstract_mesh(mesh))
+            as_on_gpu.enter_context(targeting_gpu())
         step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(par, mesh), remat=remat,
                                context=1 if phase is None else phase.context, attention_kernel=attention_kernel(mesh))
         fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None))

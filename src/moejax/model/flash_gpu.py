@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moejax.model.pallas_shapes import out_like
+from moejax.model.pallas_util import dot, out_like
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) is 0, never NaN
@@ -57,11 +57,6 @@ class FlashBlocks:
 def _compiler_params(blocks: FlashBlocks, num_warps: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=blocks.num_stages)
 
-
-def _dot(a, b, trans_b: bool = False, trans_a: bool = False):
-    """2-D matmul with fp32 accumulation; transposes folded into the dot (Triton lowers them natively)."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 def _mask(q_pos, k_pos, seg_q, seg_k, window: int | None):
@@ -98,12 +93,12 @@ def _fwd_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scal
     def body(j, carry):
         o, m, l = carry
         ks = pl.ds(j * bk, bk)
-        s = _dot(q, k_ref[ks, :], trans_b=True) * (scale * LOG2E)  # [bq, bk], log2 units
+        s = dot(q, k_ref[ks, :], trans_b=True) * (scale * LOG2E)  # [bq, bk], log2 units
         s = jnp.where(_mask(q_pos, j * bk + jnp.arange(bk), seg_q, seg_ref[ks], window), s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         corr = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        o = corr[:, None] * o + _dot(p.astype(v_ref.dtype), v_ref[ks, :])
+        o = corr[:, None] * o + dot(p.astype(v_ref.dtype), v_ref[ks, :])
         return o, m_new, corr * l + jnp.sum(p, axis=-1)
 
     init = (jnp.zeros((bq, q.shape[-1]), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -124,11 +119,11 @@ def _dq_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_r
     def body(j, dq):
         ks = pl.ds(j * bk, bk)
         k = k_ref[ks, :]
-        s = _dot(q, k, trans_b=True) * (scale * LOG2E)
+        s = dot(q, k, trans_b=True) * (scale * LOG2E)
         s = jnp.where(_mask(q_pos, j * bk + jnp.arange(bk), seg_q, seg_ref[ks], window), s, MASK_VALUE)
         p = jnp.exp2(s - lse[:, None])
-        ds = p * (_dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dot(do, v_ref[ks, :], trans_b=True) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
 
     dq = lax.fori_loop(*_key_block_range(i, bq, bk, window, off, start), body,
                        jnp.zeros((bq, q.shape[-1]), jnp.float32))
@@ -149,13 +144,13 @@ def _dkv_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_
         dk, dv = carry
         qs = pl.ds(i * bq, bq)
         q, do = q_ref[qs, r, :], do_ref[qs, r, :].astype(k.dtype)
-        s = _dot(q, k, trans_b=True) * (scale * LOG2E)  # [bq, bk]
+        s = dot(q, k, trans_b=True) * (scale * LOG2E)  # [bq, bk]
         seg_q = seg_ref[pl.ds(off + i * bq, bq)]
         s = jnp.where(_mask(off + i * bq + jnp.arange(bq), k_pos, seg_q, seg_k, window), s, MASK_VALUE)
         p = jnp.exp2(s - lse_ref[r, qs][:, None])
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (_dot(do, v, trans_b=True) - delta_ref[r, qs][:, None])
-        return dk + _dot(ds.astype(q.dtype), q, trans_a=True), dv
+        dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (dot(do, v, trans_b=True) - delta_ref[r, qs][:, None])
+        return dk + dot(ds.astype(q.dtype), q, trans_a=True), dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
     lo, hi = _query_block_range(j, bq, bk, window, n_q, off, start)

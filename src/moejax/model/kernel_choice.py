@@ -50,15 +50,20 @@ def kernel_impl(env_var: str, what: str) -> str:
 
 
 @contextlib.contextmanager
+def _holding(var: contextvars.ContextVar, value):
+    """`var` is `value` within the block (a context manager, or a decorator for each call)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def targeting_gpu():
     """Within the block (while tracing), choose and lower as on a GPU: unset choices default to the kernels,
     and chosen kernels lower to Triton instead of running interpreted. For lowering to CUDA on a machine
     without a GPU; a step traced here can't run on CPU (and stays in jit's cache: build a new one)."""
-    token = _targeting_gpu.set(True)
-    try:
-        yield
-    finally:
-        _targeting_gpu.reset(token)
+    return _holding(_targeting_gpu, True)
 
 
 def current() -> dict:
@@ -66,14 +71,9 @@ def current() -> dict:
     return {"impl": {op[0]: kernel_impl(*op) for op in KERNEL_OPS}, "on_gpu": _on_gpu()}
 
 
-@contextlib.contextmanager
 def pinned(choices: dict):
     """Within the block, `choices` (from `current`) decide, whatever the environment says by then."""
-    token = _pinned.set(choices)
-    try:
-        yield
-    finally:
-        _pinned.reset(token)
+    return _holding(_pinned, choices)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
 - `gather_rows`: the row gathers into and out of blocks are each other's transposes, so their backward
   is a gather through the other map, not the scatter-add autodiff would emit.
 
-On one GPU the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
+On GPUs the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
 `grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary);
 MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
 least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from moejax.model.pallas_shapes import out_like
+from moejax.model.pallas_util import dot, out_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +94,6 @@ def _check(block: int, z: int, f: int, a_dtype, b_dtype, tiles: GemmTiles) -> No
         raise ValueError(f"grouped GEMM kernel: operands {a_dtype} and weights {b_dtype} differ")
 
 
-def _dot(a, b, trans_a: bool = False, trans_b: bool = False):
-    """2-D matmul with fp32 accumulation; transposes folded into the dot (Triton lowers them natively)."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-
 
 def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w: bool):
     """o = x @ w[e] (w [E, K, N]) or x @ w[e]^T (trans_w: w [E, N, K]) for one block's [b, tn] output tile."""
@@ -110,7 +105,7 @@ def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w:
     def body(c, acc):
         ks = pl.ds(c * tk, tk)
         w = w_ref[e, cols, ks] if trans_w else w_ref[e, ks, cols]
-        return acc + _dot(x_ref[:, ks], w, trans_b=trans_w)
+        return acc + dot(x_ref[:, ks], w, trans_b=trans_w)
 
     n_chunks = x_ref.shape[-1] // tk
     acc = lax.fori_loop(0, n_chunks * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
@@ -125,7 +120,7 @@ def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref):
     lo = first_ref[e]
 
     def body(n, acc):
-        return acc + _dot(x_ref[n, :, zs], dy_ref[n, :, fs], trans_a=True)
+        return acc + dot(x_ref[n, :, zs], dy_ref[n, :, fs], trans_a=True)
 
     dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32))
 

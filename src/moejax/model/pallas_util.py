@@ -1,0 +1,26 @@
+"""Pieces shared by our Pallas (Triton) kernels, `flash_gpu` and `moe.grouped_gpu`.
+
+- `dot`: the kernels' 2-D matmul, fp32 accumulation, transposes folded into the dot.
+- `out_like`: output shapes that also hold inside `shard_map`. Under shard_map (check_vma on, the default)
+  Pallas needs every output's varying manual axes, since it can't infer them from the kernel body; the
+  per-device kernels (`parallel.backends`) run there. The outputs vary exactly as the given operand does
+  (every operand of our kernels is per-shard data, or weights cast to varying first). Outside shard_map the
+  operand's manual-axis type is empty and nothing changes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def dot(a, b, trans_a: bool = False, trans_b: bool = False):
+    """2-D matmul with fp32 accumulation; transposes folded into the dot (Triton lowers them natively)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def out_like(operand, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    """A Pallas out_shape of `shape` / `dtype`, varying over the manual mesh axes `operand` varies over."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(operand).manual_axis_type)
