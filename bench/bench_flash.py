@@ -11,7 +11,7 @@ FLOPs are the useful ones: 4 * B * H * Hd * (pairs a causal / windowed mask keep
 fwd+bwd (the backward's 5 matmuls against the forward's 2), document masking not credited. Times are the
 median of --reps after one warm-up call, paths taking turns rep by rep. A path that fails prints its error.
 
-Usage (GPU): PYTHONPATH=src python bench/bench_flash.py [--blocks 128x64,64x64 128x64,64x64:3 128x128,64x128]
+Usage (GPU): PYTHONPATH=src python bench/bench_flash.py [--blocks 128x64,128x64 128x64,64x64:2:2:4 ...]
 CPU check of the script (tiny shapes, the kernel interpreted): PYTHONPATH=src python bench/bench_flash.py --smoke
 """
 
@@ -30,11 +30,13 @@ from moejax.model.flash_gpu import FlashBlocks, flash_attention
 
 
 def parse_blocks(text: str) -> FlashBlocks:
-    """'128x64,64x64' -> FlashBlocks(q=128, k=64, q_bwd=64, k_bwd=64); a ':3' suffix sets num_stages."""
-    text, _, stages = text.partition(":")
+    """'128x64,64x64' -> FlashBlocks(q=128, k=64, q_bwd=64, k_bwd=64); a suffix ':S[:SB[:WB]]' sets the
+    forward's pipeline stages, and the backward's stages and warps."""
+    text, *launch = text.split(":")
     fwd, bwd = text.split(",")
     (q, k), (qb, kb) = (tuple(int(v) for v in part.split("x")) for part in (fwd, bwd))
-    return FlashBlocks(q=q, k=k, q_bwd=qb, k_bwd=kb, num_stages=int(stages or FlashBlocks.num_stages))
+    names = ("num_stages", "num_stages_bwd", "num_warps_bwd")
+    return FlashBlocks(q=q, k=k, q_bwd=qb, k_bwd=kb, **{n: int(v) for n, v in zip(names, launch)})
 
 
 def useful_flops(batch: int, seq: int, heads: int, head_dim: int, window: int | None) -> float:
@@ -88,9 +90,11 @@ def main() -> None:
     ap.add_argument("--q-block", type=int, default=512, help="the XLA path's attn_q_block")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--blocks", nargs="+",
-                    default=["128x64,64x64", "128x64,64x64:3", "64x64,64x64", "128x128,64x128", "64x128,128x64"],
-                    help="flash block sizes to time: QxK (forward),QxK (backward)[:pipeline stages]; the first "
-                         "is the default (FlashBlocks())")
+                    # the default; the earlier default (spilled in dK/dV); other spill-free tiles on an H200
+                    default=["128x64,128x64", "128x64,64x64:2:2:4", "128x64,32x64:2:3:8", "128x64,128x32:2:1:8",
+                             "128x64,32x32:2:2:8", "128x64,128x64:3:2:8"],
+                    help="flash block sizes to time: QxK (forward),QxK (backward)[:forward stages[:backward "
+                         "stages[:backward warps]]]; the first is the default (FlashBlocks())")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel interpreted")
     a = ap.parse_args()

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # run as a script from a checkout: the same moejax its runs use
 
-from moejax.cli import without_forced_host_devices  # noqa: E402
+from moejax.xla_flags import without_forced_host_devices  # noqa: E402
 
 TRACE_KEYS = ("train/loss", "train/grad_norm", "train/param_norm")
 KINDS = ("step", "metrics", "save", "timer", "startup")

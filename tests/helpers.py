@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.cli import without_forced_host_devices
+from moejax.xla_flags import without_forced_host_devices
 from moejax.presets import HERO_MODEL
 
 

@@ -55,6 +55,18 @@ def test_hero_params_memory_and_time_by_hand(hero_plan):
     assert r["hbm_per_device"] == 186 * GB
 
 
+def test_kept_transport_results_by_hand(hero_plan):
+    """Block remat's kept all-to-all results, every layer: L x (2W | W | 0) waves of S x (M + P) latent rows.
+    Kept in full they don't fit a GB200, hence the hero's remat_saves="nothing"."""
+    wave = 64 * (2 + 3141) * 3072 * 2
+    assert hero_plan["transport"]["bytes_per_wave"] == wave
+    assert hero_plan["remat_saves"] == "nothing" and hero_plan["transport_kept_bytes"] == 0 and hero_plan["fits_hbm"]
+    for saves, waves in (("transport", 6), ("dispatch", 3)):
+        r = plan(replace(HERO, train=replace(HERO.train, remat_saves=saves)), CLUSTERS["gb200-nvl72x11"])
+        assert r["transport_kept_bytes"] == 48 * waves * wave
+        assert r["hbm_needed"] == hero_plan["hbm_needed"] + 48 * waves * wave and not r["fits_hbm"]
+
+
 def test_too_small_cluster_errors_with_numbers():
     with pytest.raises(ConfigError, match=r"704 devices, but cluster h100x8 has 8 \(short by 696\)"):
         plan(HERO, CLUSTERS["h100x8"])
@@ -74,7 +86,8 @@ def test_lower_hero_on_704_device_abstract_mesh():
 
     r = lower_train_step(HERO, phase=HERO.phases[0])
     assert r["ok"] and r["devices"] == 704 and r["num_partitions"] == 704
-    assert r["all_to_all"] == r["expected_all_to_all"] == 3 * 2 * 2  # remat keeps the all-to-all results
+    # The hero's remat keeps nothing of the transport (it would not fit): the re-forward reruns its 2 x W
+    assert r["remat_saves"] == "nothing" and r["all_to_all"] == r["expected_all_to_all"] == 3 * 2 * 3
     # Lowered as on GPUs: the flash kernel per batch shard; in the scanned body, each attention kind (lax.cond)
     # forward, remat forward, dq and dkv. The experts run in the EP transport's batched einsums.
     assert r["gpu_kernels"] == 2 * 4

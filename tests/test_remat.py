@@ -1,10 +1,13 @@
 """Block rematerialisation keeps the transport's all-to-all results (issue 11 item 3): the EP gradient with
-remat on equals the one without, and the compiled backward reruns no collective."""
+remat on equals the one without, and the backward reruns no collective. With `train.remat_saves` keeping
+less (the hero keeps nothing: the kept results would not fit), the backward reruns the rest and the
+gradient is the same."""
 
 import jax
 import numpy as np
+import pytest
 
-from moejax.config import ParallelConfig
+from moejax.config import ALL_TO_ALLS_PER_WAVE, ParallelConfig
 from moejax.model.transformer import Transformer, model_loss
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.mesh import BATCH_SPEC, make_mesh, param_shardings
@@ -41,3 +44,15 @@ def test_remat_keeps_transport_results_and_gradients():
     assert counts[True] == counts[False] == WAVES * 2 * 2, counts
     for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=REMAT_GRAD_ATOL)
+
+
+@pytest.mark.parametrize("saves", ["dispatch", "nothing"])
+def test_remat_keeping_less_reruns_the_rest_of_the_transport(saves):
+    cfg, routed, params, batch = _setup()
+    fn = _grad_fn(cfg, routed, saves)
+    count = fn.lower(params, batch).as_text().count("stablehlo.all_to_all")
+    assert count == WAVES * ALL_TO_ALLS_PER_WAVE[saves] == WAVES * {"dispatch": 5, "nothing": 6}[saves]
+    if saves == "nothing":  # the values stay those of the step without remat
+        want = _grad_fn(cfg, routed, False)(params, batch)
+        for a, b in zip(jax.tree.leaves(fn(params, batch)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=REMAT_GRAD_ATOL)

@@ -28,6 +28,7 @@ from pathlib import Path
 from moejax.config import apply_overrides, ConfigError
 from moejax.parallel.mesh import mesh_overrides, parse_mesh
 from moejax.presets import PRESET_NAMES, preset
+from moejax.xla_flags import FORCED_HOST_DEVICES
 
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 75  # = moejax.checkpoint.EXIT_PREEMPTED, which cannot be imported before the handler is set
@@ -301,14 +302,6 @@ def _backends_started() -> bool:
 
     started = getattr(xla_bridge, "backends_are_initialized", None)
     return bool(started()) if started is not None else bool(getattr(xla_bridge, "_backends", None))
-
-
-FORCED_HOST_DEVICES = "--xla_force_host_platform_device_count"
-
-
-def without_forced_host_devices(xla_flags: str) -> str:
-    """XLA_FLAGS for a `moejax` subprocess: all but a forced host-device count, so that `--mesh` sets its own."""
-    return " ".join(f for f in xla_flags.split() if not f.startswith(FORCED_HOST_DEVICES))
 
 
 def _ensure_host_devices(args) -> None:

@@ -124,6 +124,12 @@ class ModelConfig:
         return self.init_scale / math.sqrt(self.d_model)
 
 
+# What block remat may keep of the EP transport (TrainConfig.remat_saves), and the all-to-alls per wave and
+# layer of a training step with each: forward dispatch + return, their backward transposes, and the
+# re-forward's collectives that are not kept.
+REMAT_SAVES = ("transport", "dispatch", "nothing")
+ALL_TO_ALLS_PER_WAVE = {"transport": 4, "dispatch": 5, "nothing": 6}
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Batch, schedule and run-loop settings."""
@@ -150,6 +156,11 @@ class TrainConfig:
     weight_decay: float = 0.0  # decoupled decay on head gate and router only (SPEC §4: optional 0.02)
     opt_state_memory: str = "device"  # "device" | "pinned_host": where fp32 master + optimizer state live
     remat: bool = False  # rematerialise each block in the backward pass (the hero needs it for memory)
+    # What block remat keeps of the EP transport for the backward pass: "transport", both all-to-all results
+    # of every wave and layer (the backward reruns no collective: 4 x W all-to-alls per layer, and
+    # L x 2W waves of memory per device); "dispatch", the dispatch results only (SPEC §3.6; 5 x W); or
+    # "nothing" (6 x W). At the hero the first two need 356 / 178 GB per device (docs/LOG.md 2026-12-01).
+    remat_saves: str = "transport"
     # lax.scan over the layers (compile time independent of depth), or False: unrolled, faster at a few
     # layers (the tiny preset; see transformer.run_layers). Changes no value.
     scan_layers: bool = True
@@ -170,6 +181,8 @@ class TrainConfig:
         _require(self.load_log_every >= 0, f"load_log_every ({self.load_log_every}) must be >= 0")
         _require(self.opt_state_memory in ("device", "pinned_host"),
                  f"opt_state_memory ({self.opt_state_memory!r}) must be 'device' or 'pinned_host'")
+        _require(self.remat_saves in REMAT_SAVES,
+                 f"remat_saves ({self.remat_saves!r}) must be one of {', '.join(REMAT_SAVES)}")
 
     @property
     def tokens_per_step(self) -> int:

@@ -158,15 +158,21 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, 
                + T * m.latent_width * (dt + 4))  # latent z + fp32 combine
     else:
         moe = T * m.top_k * (m.latent_width + 3 * m.expert_width) * dt + T * m.latent_width * (dt + 4)
+    # What block remat keeps of every layer's transport for the backward (train.remat_saves): both all-to-all
+    # results of each wave, the dispatch ones, or none. XLA's own plan of the hero showed these as six
+    # [L, 64, P, latent] stacks; the working set above is one layer's.
+    kept_waves = {"transport": 2, "dispatch": 1, "nothing": 0}[t.remat_saves] * tr["waves"] if tr else 0
+    transport_kept = m.n_layers * kept_waves * tr["bytes_per_wave"] if tr else 0
     shared = T * m.n_shared * 3 * m.shared_width * dt
     router = 2 * T * m.n_experts * 4  # fp32 logits + margins
     vocab = m.loss_vocab_block or m.vocab_size
     head = T * vocab * 4
     return {"tokens_per_device": T, "lm_head_vocab": vocab, "lm_head_streamed": bool(m.loss_vocab_block),
             "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo,
-            "attention_kv_context_bytes": kv_ext, "moe_bytes": moe,
+            "attention_kv_context_bytes": kv_ext, "moe_bytes": moe, "transport_kept_bytes": transport_kept,
+            "remat_saves": t.remat_saves,
             "shared_bytes": shared, "router_bytes": router, "lm_head_logits_bytes": head,
-            "activations_bytes": kept + attn + moe + shared + router + head}
+            "activations_bytes": kept + transport_kept + attn + moe + shared + router + head}
 
 
 def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per_device: int) -> list[dict]:
@@ -250,6 +256,9 @@ def format_plan(r: dict) -> str:
              f"  {'fp32 gradients':<40}{g(r['grads_fp32_bytes']):>14}  4 B x params per device, sharded like them",
              f"  {'activations (per-block remat, estimate)':<40}{g(r['activations_bytes']):>14}",
              f"    {'block inputs kept':<38}{g(r['block_inputs_bytes']):>14}  L x T x d x 2 B",
+             *([f"    {'transport results kept':<38}{g(r['transport_kept_bytes']):>14}  L x "
+                f"{'2W' if r['remat_saves'] == 'transport' else 'W'} x bytes/wave (train.remat_saves="
+                f"{r['remat_saves']})"] if r["transport_kept_bytes"] else []),
              f"    {'attention working set':<38}{g(r['attention_bytes']):>14}  B x H x q_block x S x (4+2) B "
              f"scores of one query block (model.attn_q_block; S if 0) + q/k/v/o",
              f"    {'MoE working set':<38}{g(r['moe_bytes']):>14}  2 x W x bytes/wave + one wave's expert MLP + z",

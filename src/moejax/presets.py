@@ -17,6 +17,11 @@ HERO_MODEL = ModelConfig()  # the dataclass defaults are the hero (SPEC §1)
 # Memory settings of the hero (moejax plan hero): stream the LM head over 16K-wide vocab blocks and
 # attention over 512-query blocks, remat every block. They change no value, only what is live at once.
 HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
+# The hero's remat keeps nothing of the transport: kept, its all-to-all results take 356 GB per device (both
+# directions; 178 GB the dispatch ones alone) over the 48 layers at 65,536 tokens per device — more than a
+# GB200 has (XLA's memory plan, docs/LOG.md 2026-12-01, fourth session). The backward then reruns the
+# forward's 2W all-to-alls per layer (18 per layer instead of 12). The ladder rungs keep them (7-54 GB).
+HERO_REMAT_SAVES = "nothing"
 # The seed's context extension (SPEC §5): 4K (twice the sequences per batch, for expert balancing) -> 8K
 # at 50%, -> 65K at 95%, a 262K phase near the end, tokens per step fixed. The 262K phase has 176
 # sequences for 704 devices: it runs with context parallelism 4 (RunConfig.phases).
@@ -34,7 +39,8 @@ HERO = RunConfig(
     name="hero",
     model=replace(HERO_MODEL, **HERO_MEMORY),
     train=TrainConfig(seq_len=4096, batch_size=SEQUENCES_PER_RACK * HERO_RACKS, steps=390_139, optimizer="hero",
-                      opt_state_memory="pinned_host", remat=True, eval_every=HERO_EVAL_EVERY, eval_at_start=True,
+                      opt_state_memory="pinned_host", remat=True, remat_saves=HERO_REMAT_SAVES,
+                      eval_every=HERO_EVAL_EVERY, eval_at_start=True,
                       eval_batch_size=EVAL_SEQUENCES_PER_RACK * HERO_RACKS),
     parallel=ParallelConfig(replica_dcn=HERO_RACKS, data=1, expert=EXPERT_SHARDS, model=1),
     data=DataConfig(context_schedule=HERO_CONTEXT_SCHEDULE),

@@ -3,7 +3,8 @@
   moejax ladder plan [--json]                          rungs d768…d2048 + hero, every number with its formula
   moejax ladder run --scale cpu --out DIR [--widths 32,48] [--steps N]   the CPU micro-ladder (resumable)
   moejax ladder fit DIR [--target-flops X] [--json]    L(C) = E + A*C^-alpha, projection, anomalies, PNG plots
-  moejax plan PRESET [--cluster C] [--mfu 0.225] [--json] [--lower [--phase SEQ_LEN]] [--mesh M] [--set K=V ...]
+  moejax plan PRESET [--cluster C] [--mfu 0.225] [--json] [--lower | --compile] [--phase SEQ_LEN] [--mesh M]
+              [--set K=V ...]
                                                        devices, memory, transport, time, per context phase
 """
 
@@ -87,18 +88,25 @@ def _cmd_plan(args) -> int:
     cfg = plan_config(preset(args.preset), args.set or [], args.mesh)
     cluster = CLUSTERS[args.cluster]
     r = plan(cfg, cluster, args.mfu)
-    if args.lower:
+    if args.compile:
+        from moejax.cuda_aot import check_available
+
+        check_available()  # before any work: one line saying what to install
+    if args.lower or args.compile:
         from moejax.ladder.lower import lower_in_subprocess
 
-        r["lower"] = lower_in_subprocess(cfg, args.phase, device_kind=cluster.device_kind, cores=cluster.sm_count)
+        r["lower"] = lower_in_subprocess(cfg, args.phase, device_kind=cluster.device_kind, cores=cluster.sm_count,
+                                         compile=args.compile, timeout_s=args.timeout)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
         print(format_plan(r))
-        if args.lower:
+        if "lower" in r:
             from moejax.ladder.lower import format_lower
 
-            print(format_lower(r["lower"]))
+            print(format_lower(r["lower"], cluster.hbm_bytes))
+    if "lower" in r and not r["lower"]["ok"]:
+        return 1
     return 0 if r["fits_hbm"] and r["fits_host"] else EXIT_DOES_NOT_FIT
 
 
@@ -143,8 +151,13 @@ def register(sub) -> None:
     pl.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation for the step time")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--lower", action="store_true", help="lower (no compile, no run) the train step on the mesh")
+    pl.add_argument("--compile", action="store_true",
+                    help="lower and compile the train step for the cluster's GPUs with XLA's GPU compiler, here, "
+                         "without a GPU (Triton and ptxas included): XLA's memory plan per device, the kernels, "
+                         "register spills (needs the CUDA plugin `make` installs in .venv/cuda-aot)")
     pl.add_argument("--phase", type=int, metavar="SEQ_LEN",
-                    help="with --lower: the context phase to lower (its seq_len; default: the longest)")
+                    help="with --lower/--compile: the context phase (its seq_len; default: the longest)")
+    pl.add_argument("--timeout", type=float, default=1800, help="seconds for --lower/--compile (default 1800)")
     pl.add_argument("--mesh", help="e.g. replica_dcn=1,data=2,expert=4,model=1 (omitted axes = 1), as for train")
     pl.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help="config override (repeatable)")
     pl.set_defaults(fn=_cmd_plan)

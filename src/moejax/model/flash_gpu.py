@@ -46,17 +46,22 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) is
 
 @dataclasses.dataclass(frozen=True)
 class FlashBlocks:
-    """Tile sizes (untuned defaults after the upstream kernel; Triton wants powers of two >= 16)."""
+    """Tile sizes (Triton wants powers of two >= 16) and launch parameters. The forward's are the upstream
+    kernel's. The backward's are the largest tiles whose dQ and dK/dV kernels compile for an H200 with no
+    register spills (a static sweep through XLA's GPU compiler and ptxas, `moejax.cuda_aot`; docs/LOG.md
+    2026-12-01, fourth session): 64 x 64 on 4 warps, the earlier default, spilled ~0.4 KB per thread in dK/dV,
+    128 x 128 needs more shared memory than an SM has. Speed still wants a GPU (`bench/bench_flash.py`)."""
     q: int = 128
     k: int = 64
-    q_bwd: int = 64
+    q_bwd: int = 128
     k_bwd: int = 64
-    num_stages: int = 2
+    num_stages: int = 2  # forward
+    num_stages_bwd: int = 1
+    num_warps_bwd: int = 8
 
 
-def _compiler_params(blocks: FlashBlocks, num_warps: int):
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=blocks.num_stages)
-
+def _compiler_params(num_warps: int, num_stages: int):
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _mask(q_pos, k_pos, seg_q, seg_k, window: int | None):
@@ -77,7 +82,9 @@ def _query_block_range(j, bq: int, bk: int, window: int | None, n_q: int, off: i
     """Query blocks that see key block j: from the diagonal to the last query inside the window; none
     (hi <= lo) when the block lies wholly before the first query's window or the row's first real key."""
     lo = lax.div(jnp.maximum(j * bk - off, 0), bq)
-    hi = n_q
+    # A typed constant: in Pallas's Triton lowering a `where` whose cases are all weak-typed Python ints
+    # types them like its boolean predicate, and the loop bound became an i1 (XLA refused the module).
+    hi = jnp.int32(n_q)
     if window is not None:
         last = (j + 1) * bk + window - 2 - off  # the last query (local index) that sees the block's last key
         hi = jnp.where(last < 0, 0, jnp.minimum(lax.div(jnp.maximum(last, 0), bq) + 1, n_q))
@@ -133,14 +140,15 @@ def _dq_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_r
 def _dkv_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale,
                 window, bq, bk, n_q, off, rep):
     """dK/dV of one key block of one KV head, summed in registers over the `rep` query heads that read it
-    (q/do blocks [S, rep, Hd], lse/delta [rep, S]): head by head, each over its query blocks, then added —
-    the order of the per-head gradients' sum, as the XLA path's."""
+    (q/do blocks [S, rep, Hd], lse/delta [rep, S]): head by head, each over its query blocks, into one
+    accumulator pair. The heads are a loop, not unrolled: unrolled, each head's loop kept its own
+    accumulators and ptxas spilled up to 12 KB per thread (H200, GQA 8/1)."""
     j, start = pl.program_id(0), start_ref[pl.program_id(1)]
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     seg_k = seg_ref[pl.ds(j * bk, bk)]
 
-    def body(i, carry, r: int):
+    def body(i, carry, r):
         dk, dv = carry
         qs = pl.ds(i * bq, bq)
         q, do = q_ref[qs, r, :], do_ref[qs, r, :].astype(k.dtype)
@@ -154,10 +162,8 @@ def _dkv_kernel(start_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
     lo, hi = _query_block_range(j, bq, bk, window, n_q, off, start)
-    dk, dv = zeros, zeros
-    for r in range(rep):
-        dk_r, dv_r = lax.fori_loop(lo, hi, functools.partial(body, r=r), (zeros, zeros))
-        dk, dv = dk + dk_r, dv + dv_r
+    heads = lambda r, carry: lax.fori_loop(lo, hi, functools.partial(body, r=r), carry)
+    dk, dv = lax.fori_loop(0, rep, heads, (zeros, zeros))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -228,7 +234,7 @@ def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
         kernel, grid=(s // bq, bsz, h), in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec],
         out_specs=[q_spec, row_spec],
         out_shape=[out_like(q, q.shape, jnp.float32), out_like(q, (bsz, h, s), jnp.float32)],
-        compiler_params=_compiler_params(blocks, 8 if hd > 64 else 4),  # upstream's heuristic
+        compiler_params=_compiler_params(8 if hd > 64 else 4, blocks.num_stages),  # upstream's heuristic
         interpret=interpret, name="moejax_flash_fwd",
     )(_first_real_key(segment_ids), q, k, v, segment_ids)
 
@@ -245,7 +251,8 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
         grid=(s // bq, bsz, h),
         in_specs=[_whole_rows(bsz), q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec, out_shape=out_like(q, q.shape, jnp.float32),
-        compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dq",
+        compiler_params=_compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd), interpret=interpret,
+        name="moejax_flash_dq",
     )(*ins)
     # dK/dV: one program per (key block, row, KV head), looping over the query heads of its group.
     rep = h // g
@@ -258,7 +265,8 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
         grid=(sk // bk, bsz, g),
         in_specs=[_whole_rows(bsz), q_group, kv_block, kv_block, seg_spec, q_group, rows_group, rows_group],
         out_specs=[kv_block, kv_block], out_shape=[out_like(q, k.shape, k.dtype), out_like(q, v.shape, v.dtype)],
-        compiler_params=_compiler_params(blocks, 4), interpret=interpret, name="moejax_flash_dkv",
+        compiler_params=_compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd), interpret=interpret,
+        name="moejax_flash_dkv",
     )(*ins)
     return dq.astype(q.dtype), dk, dv
 

@@ -78,7 +78,11 @@ def lm_logits(h: Float[Array, "... D"], lm_head: Float[Array, "D V"]) -> Float[A
 
 
 LayerHook = Callable[[dict], dict]
-REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_RETURN)
+WeightsFn = Callable[["Block"], "Block"]  # one layer's weights as the layer uses them
+# What a rematerialised block keeps (TrainConfig.remat_saves): the transport's all-to-all results, or less.
+REMAT_POLICIES = {"transport": jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_RETURN),
+                  "dispatch": jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH),
+                  "nothing": jax.checkpoint_policies.nothing_saveable}
 TOKEN_STATS = ("margins", "token_mask")  # [T, E] / [T] per layer: never stacked over layers
 
 
@@ -88,9 +92,9 @@ def drop_token_stats(stats: dict) -> dict:
 
 def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Array, "B S"],
             positions: Int[Array, "B S"], cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
-            layer_hook: LayerHook | None = None, remat: bool = True,
-            context: int = 1, scan_layers: bool = True,
-            attention_kernel: KernelFn = flash_kernel) -> tuple[Float[Array, "B S D"], dict]:
+            layer_hook: LayerHook | None = None, remat: bool | str = True,
+            context: int = 1, scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel,
+            layer_weights: WeightsFn | None = None) -> tuple[Float[Array, "B S D"], dict]:
     """Final hidden states (after the final norm) and per-layer stats stacked along L.
 
     `layer_hook` maps one layer's raw MoE stats to what is kept (e.g. margins -> QB bias); by default the
@@ -99,23 +103,27 @@ def forward(params: Transformer, tokens: Int[Array, "B S"], segment_ids: Int[Arr
     ids, positions (and the loss's targets) are the whole sequence's, so only attention and SConv, which
     read earlier positions, look across rows. The MoE sees tokens as ever.
     `scan_layers` False: a Python loop over the layers instead of `lax.scan` (same values; see `run_layers`).
-    `routed` and `attention_kernel` are where parallelism enters (bound to the mesh by `parallel.backends`):
-    the routed experts, and the attention core when the GPU kernel is chosen.
+    `remat`: False, or rematerialise every block keeping what `REMAT_POLICIES[remat]` names (True: "transport").
+    `routed`, `attention_kernel` and `layer_weights` are where parallelism enters (bound to the mesh by
+    `parallel.backends`): the routed experts, the attention core when the GPU kernel is chosen, and a layer's
+    weights at use (FSDP's per-layer all-gather; inside the remat, so the backward gathers them again).
     """
     x = embed(params, tokens, cfg)
     hook = layer_hook or drop_token_stats
 
     def block(x, blk, is_global):
+        blk = blk if layer_weights is None else layer_weights(blk)
         h = attention(blk.attn, blk.attn_norm(x, cfg.norm_eps), segment_ids, positions, is_global, cfg, context,
                       attention_kernel)
         x = x + h
         h, stats = moe_block(blk.moe, blk.moe_norm(x, cfg.norm_eps), segment_ids, cfg, routed, context)
         return x + h, hook(stats)
 
-    if remat:  # recompute the block in the backward pass, except the transport's all-to-all results
+    if remat:  # recompute the block in the backward pass, except what the policy keeps (REMAT_POLICIES)
         # Unrolled, is_global stays a static Python bool: traced, it would put both attention kinds
         # under a lax.cond in every layer.
-        block = jax.checkpoint(block, policy=REMAT_POLICY, static_argnums=() if scan_layers else (2,))
+        policy = REMAT_POLICIES["transport" if remat is True else remat]
+        block = jax.checkpoint(block, policy=policy, static_argnums=() if scan_layers else (2,))
     x, stats = run_layers(lambda x, layer: block(x, *layer), x, params.blocks, cfg.global_layers, scan_layers)
     return params.final_norm(x, cfg.norm_eps), stats
 
@@ -182,12 +190,13 @@ def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
 
 
 def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
-               layer_hook: LayerHook | None = None, remat: bool = True, context: int = 1,
-               scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel) -> tuple[jax.Array, dict]:
+               layer_hook: LayerHook | None = None, remat: bool | str = True, context: int = 1,
+               scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel,
+               layer_weights: WeightsFn | None = None) -> tuple[jax.Array, dict]:
     """Scalar training loss and everything worth logging (loss parts + per-layer MoE stats). `context`: rows
     per sequence (context parallelism); the batch's targets and loss mask already cross chunk boundaries."""
     h, layer_stats = forward(params, batch["tokens"], batch["segment_ids"], batch["positions"], cfg, routed,
-                             layer_hook, remat, context, scan_layers, attention_kernel)
+                             layer_hook, remat, context, scan_layers, attention_kernel, layer_weights)
     parts = lm_loss(h, params.lm_head, batch["targets"], batch["loss_mask"], cfg.z_loss_weight,
                     cfg.loss_vocab_block)
     return parts["loss"], {**parts, "layers": layer_stats}

@@ -8,23 +8,26 @@ Every backend has the `RoutedFn` signature of `moejax.model.moe.layer` and retur
 A new backend is one entry in BACKENDS.
 `attention_kernel(mesh)`: the flash kernel (used when `MOEJAX_ATTENTION` resolves to gpu_kernel) on each
 batch shard's own rows under shard_map; a Pallas kernel is a custom call that GSPMD cannot partition.
+`layer_weights(mesh)`: a layer's weights at use, FSDP's all-gather made explicit.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from moejax.config import ConfigError, ParallelConfig
 from moejax.model import kernel_choice
 from moejax.model.attention import KernelFn, flash_kernel
 from moejax.model.kernel_choice import ATTENTION, GROUPED, kernel_impl
 from moejax.model.moe.layer import DropStats, RoutedFn, routed_local_with_stats
+from moejax.model.transformer import WeightsFn
 from moejax.parallel.expert_parallel import routed_expert_parallel
-from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, REPLICATED, batch_shards
+from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, FSDP_AXES, REPLICATED, ROUTED_EXPERT_FIELDS, batch_shards
 
 
 def _check_vma(op: tuple[str, str]) -> bool:
@@ -80,6 +83,24 @@ def attention_kernel(mesh: Mesh) -> KernelFn:
     if batch_shards(mesh) == 1:
         return flash_kernel
     return partial(flash_per_batch_shard, mesh=mesh)
+
+
+def layer_weights(mesh: Mesh) -> WeightsFn | None:
+    """One layer's weights as it uses them on `mesh`: every FSDP-sharded matrix all-gathered (inside the layer
+    loop, so one layer's at a time), the routed experts left on `expert` for the transport. Left to itself,
+    GSPMD resolved the clash of batch-sharded tokens and FSDP-sharded weights (both over `expert`) by
+    moving the tokens instead: at the hero's mesh every dense layer ran on the whole rack's tokens, 64 x the
+    device's own, and XLA's GPU memory plan came to 1.58 TB per device (docs/LOG.md 2026-12-01, fourth
+    session). None when nothing is FSDP-sharded."""
+    if math.prod(mesh.shape[a] for a in FSDP_AXES) == 1:
+        return None
+    gathered = NamedSharding(mesh, REPLICATED)
+
+    def at_use(path, w):
+        name = getattr(path[-1], "name", str(path[-1]))
+        return w if name in ROUTED_EXPERT_FIELDS else jax.lax.with_sharding_constraint(w, gathered)
+
+    return lambda blk: jax.tree_util.tree_map_with_path(at_use, blk)
 
 
 BACKENDS: dict[str, Callable[[ParallelConfig, Mesh], RoutedFn]] = {

@@ -36,7 +36,7 @@ from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, read_metrics, to_py
-from moejax.parallel.backends import attention_kernel, local_backend, moe_backend
+from moejax.parallel.backends import attention_kernel, layer_weights, local_backend, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
 from moejax.train.alarms import LOAD_KEY
@@ -174,31 +174,32 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
     state = _initial_state(state, ckpt, resuming, init_from, optimizer, dataclasses.asdict(m))
     state, offload = place_state(state, t.opt_state_memory)
     step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
-                                       offload, opts.remat or t.remat)
+                                       offload, (opts.remat or t.remat) and t.remat_saves)
     batch_sh = batch_sharding(mesh)
     return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
                     jnp.asarray(data.bytes_per_token))
 
 
-def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool):
-    """(phase -> jitted train step, {prefix: jitted eval step}) for `mesh`: the MoE backend and the attention
-    kernel bound to it (`parallel.backends`), one train step per (context-parallel degree, capacity factors)
+def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str):
+    """(phase -> jitted train step, {prefix: jitted eval step}) for `mesh`: the MoE backend, the attention
+    kernel and the layers' weights at use bound to it (`parallel.backends`), one train step per (context-parallel degree, capacity factors)
     of the context schedule (the transport's static buffer sizes and the chunk layout are baked into it)."""
     m, t = cfg.model, cfg.train
-    routed, kernel = moe_backend(cfg.parallel, mesh), attention_kernel(mesh)
+    routed, kernel, weights = moe_backend(cfg.parallel, mesh), attention_kernel(mesh), layer_weights(mesh)
     batch_sh = batch_sharding(mesh)
 
     @functools.cache
     def phase_step(context: int, cf_send: float, cf_recv: float):
         par = dataclasses.replace(cfg.parallel, cf_send=cf_send, cf_recv=cf_recv)
         fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=remat, offload=offload,
-                             context=context, scan_layers=t.scan_layers, attention_kernel=kernel)
+                             context=context, scan_layers=t.scan_layers, attention_kernel=kernel,
+                             layer_weights=weights)
         return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
                        out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
-    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers, kernel))}
+    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))}
     if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel))
+        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel, weights))
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 

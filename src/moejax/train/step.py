@@ -19,7 +19,7 @@ from moejax.model import kernel_choice
 from moejax.model.attention import KernelFn, flash_kernel
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
-from moejax.model.transformer import Transformer, drop_token_stats, model_loss
+from moejax.model.transformer import Transformer, WeightsFn, drop_token_stats, model_loss
 from moejax.train.state import Offload, TrainState, compute_copy
 
 
@@ -90,12 +90,15 @@ def qb_hook(cfg: ModelConfig):
 
 
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, lr_fns: dict[str, Callable],
-                    routed: RoutedFn = routed_local_with_stats, remat: bool = True, offload: Offload | None = None,
-                    context: int = 1, scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel):
-    """`context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`).
+                    routed: RoutedFn = routed_local_with_stats, remat: bool | str = True,
+                    offload: Offload | None = None,
+                    context: int = 1, scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel,
+                    layer_weights: WeightsFn | None = None):
+    """`remat`: False, True or a `TrainConfig.remat_saves` name (`transformer.forward`).
+    `context`: the batch's rows per sequence (context parallelism, `data.loader.chunk_rows`).
     `scan_layers`: `lax.scan` over the layers, or unrolled (`transformer.run_layers`).
-    `routed`, `attention_kernel`: bound to the run's mesh by `parallel.backends` (`moe_backend`,
-    `attention_kernel`); the defaults are single-device. The GPU-kernel choices (`kernel_choice`) are fixed
+    `routed`, `attention_kernel`, `layer_weights`: bound to the run's mesh by `parallel.backends`
+    (`moe_backend`, `attention_kernel`, `layer_weights`); the defaults are single-device. The GPU-kernel choices (`kernel_choice`) are fixed
     now, when the step is built, not when jit traces it."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
     kernels = kernel_choice.current()
@@ -107,7 +110,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         # The router bias in it is the QB bias computed at the previous step.
         fwd_params = jax.tree.map(lambda c: c.astype(jnp.float32), state.compute)
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers,
-                                         attention_kernel)
+                                         attention_kernel, layer_weights)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
 
         master, opt_state = state.params, state.opt_state
@@ -145,13 +148,13 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
 
 
 def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats, scan_layers: bool = True,
-                   attention_kernel: KernelFn = flash_kernel):
+                   attention_kernel: KernelFn = flash_kernel, layer_weights: WeightsFn | None = None):
     """The eval step (loss sums, bytes, MoE metrics); GPU-kernel choices fixed when built, as for training."""
 
     @kernel_choice.pinned(kernel_choice.current())
     def eval_step(params, batch, bytes_per_token):
         _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers,
-                            attention_kernel=attention_kernel)
+                            attention_kernel=attention_kernel, layer_weights=layer_weights)
         n_bytes = jnp.sum(jnp.where(batch["loss_mask"], bytes_per_token[batch["targets"]], 0))
         return {"ce_sum": aux["cross_entropy_loss"] * aux["tokens"], "tokens": aux["tokens"],
                 "bytes": n_bytes.astype(jnp.float32), **moe_metrics(aux["layers"], cfg.n_layers)}

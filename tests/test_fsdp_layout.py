@@ -1,0 +1,61 @@
+"""FSDP keeps every token on its own device: with the batch and the FSDP-sharded weights on the same mesh
+axis (`expert` on EP meshes, `data` on data-parallel ones), each layer's weights are all-gathered at use
+(`parallel.backends.layer_weights`) and no dense layer runs on other devices' tokens.
+
+Left to GSPMD, the clash was resolved the other way: the tokens were all-gathered, each device computing on
+the whole mesh's tokens (a slice of the features each). At the hero's mesh that put 64 x a device's tokens
+in every dense layer and 1.58 TB in XLA's GPU memory plan per device (docs/LOG.md 2026-12-01, fourth
+session). Checked here in the compiled per-device program of the CPU's 8 devices: no activation spans the
+global token count.
+"""
+
+import re
+from dataclasses import replace
+
+import jax
+import pytest
+from jax.sharding import NamedSharding
+
+from moejax.config import ParallelConfig
+from moejax.parallel.backends import attention_kernel, layer_weights, moe_backend
+from moejax.parallel.mesh import BATCH_SPEC, REPLICATED, make_mesh
+from moejax.presets import TINY
+from moejax.train.optimizer import make_optimizer
+from moejax.train.state import init_state
+from moejax.train.step import make_train_step
+from tests.helpers import toy_batch, toy_model
+
+BATCH, SEQ = 24, 40  # 960 tokens, 120 per device: sizes no other dimension of the toy model has
+
+
+def _global_token_arrays(cfg, mesh, weights) -> int:
+    """Activations in the compiled per-device train step that span the global batch or token count: float
+    arrays [global tokens (or batch, seq), ..., width] with a model width last (d_model 32, or 16: latent,
+    expert and shared widths). (QB's global quantiles legitimately gather [tokens, k+1] ids and margins.)"""
+    optimizer, lr_fns = make_optimizer(cfg)
+    state = init_state(cfg, optimizer, jax.random.key(0), mesh)
+    batch = jax.device_put(toy_batch(cfg.model, batch=BATCH, seq=SEQ), NamedSharding(mesh, BATCH_SPEC))
+    step = make_train_step(cfg.model, optimizer, lr_fns, moe_backend(cfg.parallel, mesh), remat=True,
+                           scan_layers=True, attention_kernel=attention_kernel(mesh), layer_weights=weights)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    text = jax.jit(step, in_shardings=(state_sh, batch["tokens"].sharding),
+                   out_shardings=(state_sh, NamedSharding(mesh, REPLICATED))).lower(state, batch).compile().as_text()
+    widths = f"{cfg.model.d_model}|{cfg.model.latent_width}"
+    return len(re.findall(rf"(?:f32|bf16)\[(?:{BATCH},{SEQ}|{BATCH * SEQ})(?:,\d+)*,(?:{widths})\]", text))
+
+
+@pytest.mark.parametrize("axes", [dict(expert=8), dict(data=8)], ids=["ep_expert8", "local_data8"])
+def test_every_layer_computes_on_the_devices_own_tokens(axes):
+    model = toy_model(n_layers=2, window=12)
+    cfg = replace(TINY, model=model, parallel=ParallelConfig(**axes),
+                  train=replace(TINY.train, batch_size=BATCH, seq_len=SEQ, optimizer="adam"))
+    mesh = make_mesh(cfg.parallel)
+    weights = layer_weights(mesh)
+    assert weights is not None  # FSDP over 8 devices
+    assert _global_token_arrays(cfg, mesh, weights) == 0
+    if axes == dict(expert=8):  # without the gather, GSPMD moves the tokens (the check sees it)
+        assert _global_token_arrays(cfg, mesh, None) > 0
+
+
+def test_no_gather_without_fsdp():
+    assert layer_weights(make_mesh(ParallelConfig(data=1))) is None
