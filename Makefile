@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+AOT_STAMP := $(VENV)/cuda-aot/.installed
 
-.PHONY: demo test bench clean venv
+.PHONY: demo test bench clean venv cuda-aot
 
 venv: $(STAMP)
 
@@ -15,6 +16,15 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# The CUDA compile kit (moejax.cuda_aot: XLA's GPU compiler, Triton and ptxas without a GPU; ~220 MB), for the
+# tests and `moejax plan --compile` only, so `make demo` doesn't download it. Installed apart from the venv's
+# site-packages: importable there, every jax start would try to open a CUDA backend.
+cuda-aot: $(AOT_STAMP)
+
+$(AOT_STAMP): $(STAMP) requirements-cuda-aot.lock
+	$(PY) -m pip install --quiet --no-deps --upgrade --target $(VENV)/cuda-aot -r requirements-cuda-aot.lock
+	touch $(AOT_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/moejax train --preset tiny --run-dir runs/demo --steps 300 --overwrite
 	$(VENV)/bin/moejax summary runs/demo
@@ -23,7 +33,7 @@ demo: $(STAMP)
 # compile-bound and one process keeps about one core busy. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+test: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
