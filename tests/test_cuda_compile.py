@@ -45,15 +45,18 @@ def test_every_gpu_kernel_compiles_for_a_gb200():
 
 
 def test_plan_compiles_a_data_parallel_step_for_eight_gpus(tmp_path):
+    # two of tiny's layers: one local, one global, so both attention kinds (and half the compile time)
     proc = subprocess.run([sys.executable, "-m", "moejax.cli", "plan", "tiny", "--cluster", "h100x8", "--mesh",
-                           "data=8", "--compile", "--json"], capture_output=True, text=True, env=ENV, timeout=900)
+                           "data=8", "--set", "model.n_layers=2", "--compile", "--json"],
+                          capture_output=True, text=True, env=ENV, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout)["lower"]
     assert r["ok"] and r["devices"] == 8 and r["num_partitions"] == 8, r
     c = r["compiled"]
     assert set(c["kernels"]) == KERNELS, c["kernels"]  # both kernels, forward and backward, per batch shard
     assert c["alias_bytes"] > 0.9 * c["argument_bytes"] > 0  # the state is donated, as the loop does
-    assert 0 < c["peak_bytes"] < 80e9
+    assert 0 < c["peak_bytes"] <= c["sum_bytes"] < 80e9  # XLA's live-range peak, at most everything summed
+    assert 0 < r["state_fp32_bytes"] < c["argument_bytes"]
     assert not _our_spills(r["ptxas"]), r["ptxas"]
 
 

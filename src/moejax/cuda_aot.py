@@ -144,8 +144,12 @@ def compiled_numbers(compiled) -> dict:
             kernels[name] = kernels.get(name, 0) + 1
     return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
             "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes,
-            # what the executable holds at once: inputs, outputs not aliased to them, and its scratch
-            "peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            # XLA's own peak of its buffer assignment. Close to `sum_bytes` (every argument, output and the
+            # scratch together), since XLA allocates its scratch as one block of temp bytes; the live set at
+            # the heaviest instruction can be smaller (the hero's step: 248.2 GB here, 192.5 GB live at its
+            # heaviest point, docs/LOG.md 2026-12-01, fifth session).
+            "peak_bytes": getattr(m, "peak_memory_in_bytes", None),
+            "sum_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes,
             "triton_kernels": sum(kernels.values()), "kernels": kernels}
 

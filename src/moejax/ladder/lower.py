@@ -106,7 +106,8 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     if compile:
         from moejax.cuda_aot import compiled_numbers
 
-        compiled = {"compiled": compiled_numbers(lowered.compile()), "compile_s": time.perf_counter() - t2}
+        compiled = {"compiled": compiled_numbers(lowered.compile()), "compile_s": time.perf_counter() - t2,
+                    "state_fp32_bytes": _per_device_bytes((state.params, state.opt_state))}
     text = lowered.as_text()
     target = "local devices" if concrete else f"{platform} ({device_kind})" if on_gpu else platform
     return {"ok": True, "preset": cfg.name, "platform": target, "mesh": dict(mesh.shape), "devices": mesh.size,
@@ -121,6 +122,15 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
             # W waves x (dispatch, return) x (forward, backward transposes, + what the remat re-forward reruns)
             "expected_all_to_all": (cfg.parallel.waves * ALL_TO_ALLS_PER_WAVE[saves if remat else "transport"]
                                     if cfg.parallel.use_ep else 0)}
+
+
+def _per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
+    import math
+
+    import jax
+
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # how a Pallas (Triton) kernel appears in the lowered text
@@ -196,12 +206,16 @@ def format_lower(r: dict, hbm_bytes: float | None = None) -> str:
     of = f" of {hbm_bytes / gb:.0f} GB" if hbm_bytes else ""
     spills = {fn: w for fn, w in r.get("ptxas", {}).items() if w.get("spill_stores")}
     kernels = ", ".join(f"{n} {k}" for k, n in sorted(c["kernels"].items())) or "none"
-    host = (" (train.opt_state_memory=pinned_host: a deviceless compile has no host memory, so the fp32 master "
-            "and optimizer state are counted in the arguments)" if r.get("opt_state_memory") == "pinned_host" else "")
+    peak = c["sum_bytes"] if c["peak_bytes"] is None else c["peak_bytes"]  # (a jaxlib without XLA's peak)
+    state = r["state_fp32_bytes"]
+    host = (f" (train.opt_state_memory=pinned_host: a deviceless compile has no host memory, so it counts the fp32 "
+            f"master and optimizer state, {state / gb:.2f} GB, on the device: {(peak - state) / gb:.2f} GB without "
+            f"them)" if r.get("opt_state_memory") == "pinned_host" else "")
     return (text + f"\ncompile: XLA's GPU compiler (Triton, ptxas) in {r['compile_s']:.1f} s, nothing run; "
-            f"per device: peak {c['peak_bytes'] / gb:.2f} GB{of} = arguments {c['argument_bytes'] / gb:.2f} + "
+            f"per device: peak {peak / gb:.2f} GB{of} (XLA's buffer assignment){host}; all summed "
+            f"{c['sum_bytes'] / gb:.2f} GB = arguments {c['argument_bytes'] / gb:.2f} + "
             f"outputs {c['output_bytes'] / gb:.2f} - donated {c['alias_bytes'] / gb:.2f} + temporaries "
-            f"{c['temp_bytes'] / gb:.2f} GB{host}; Triton kernels: {kernels}; register spills (ptxas): "
+            f"{c['temp_bytes'] / gb:.2f} GB; Triton kernels: {kernels}; register spills (ptxas): "
             + (", ".join(f"{fn} {w['spill_stores']} B" for fn, w in sorted(spills.items())) or "none"))
 
 
