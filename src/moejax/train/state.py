@@ -24,6 +24,15 @@ from moejax.model.transformer import Transformer
 from moejax.parallel.mesh import REPLICATED, mirror_shardings, param_shardings
 
 FP32_LEAVES = frozenset({"router_bias"})  # kept in fp32 in the compute copy: routing decisions are fp32
+# Matrices the model reads only as `w.astype(compute dtype)`, once per layer, through a matmul whose weight
+# gradient comes back in the weight's dtype (`layers.matmul_tokens`, the grouped GEMM's and the transport's
+# VJPs): differentiated through an fp32 upcast, their gradient is that compute-dtype value upcast. So the
+# train step differentiates them in the compute copy as they are and upcasts the gradient (the same values):
+# the fp32 upcast of the whole model, 33 GB per device in the hero's forward (XLA's GPU plan, docs/LOG.md
+# 2026-12-01, fifth session), is never made. Every other leaf (norm gains, router, embedding, LM head,
+# SConv) is upcast as before, so its gradient is accumulated in fp32.
+CAST_AT_USE_LEAVES = frozenset({"wq", "wk", "wv", "wo", "down", "up", "lat_down", "lat_up", "w_gate", "w_up",
+                                "w_down", "shared_gate", "shared_up", "shared_down"})
 
 
 @pytree_dataclass
@@ -43,6 +52,15 @@ def compute_copy(params: Transformer, dtype) -> Transformer:
         return jnp.array(p, dtype=to, copy=True)
 
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def differentiated_copy(compute: Transformer) -> Transformer:
+    """What the train step differentiates: the compute copy with every leaf upcast to fp32 but the
+    CAST_AT_USE_LEAVES, whose gradients the step upcasts after the backward."""
+    def leaf(path, c):
+        return c if getattr(path[-1], "name", None) in CAST_AT_USE_LEAVES else c.astype(jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, compute)
 
 
 def init_state(cfg, optimizer, key, mesh=None) -> TrainState:

@@ -20,7 +20,7 @@ from moejax.model.attention import KernelFn, flash_kernel
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
 from moejax.model.transformer import Transformer, WeightsFn, drop_token_stats, model_loss
-from moejax.train.state import Offload, TrainState, compute_copy
+from moejax.train.state import Offload, TrainState, compute_copy, differentiated_copy
 
 
 def with_router_bias(params: Transformer, bias_LE: jax.Array) -> Transformer:
@@ -106,12 +106,13 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     @kernel_choice.pinned(kernels)
     def train_step(state: TrainState, batch: dict):
         # Forward and backward read the device-resident compute copy (upcast: fp32 leaves give fp32 grads
-        # wherever the model computes in fp32 — router, norms); the fp32 master is only needed below.
+        # wherever the model computes in fp32 — router, norms — but the matrices cast at use, which are
+        # differentiated as they are: `differentiated_copy`); the fp32 master is only needed below.
         # The router bias in it is the QB bias computed at the previous step.
-        fwd_params = jax.tree.map(lambda c: c.astype(jnp.float32), state.compute)
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers,
                                          attention_kernel, layer_weights)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(fwd_params)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(differentiated_copy(state.compute))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
         master, opt_state = state.params, state.opt_state
         if offload is not None:  # host -> device, for the update only
