@@ -21,18 +21,20 @@ from jax.sharding import NamedSharding
 
 from moejax.model.layers import pytree_dataclass
 from moejax.model.transformer import Transformer
-from moejax.parallel.mesh import REPLICATED, mirror_shardings, param_shardings
+from moejax.parallel.mesh import REPLICATED, ROUTED_EXPERT_FIELDS, mirror_shardings, param_shardings
 
 FP32_LEAVES = frozenset({"router_bias"})  # kept in fp32 in the compute copy: routing decisions are fp32
-# Matrices the model reads only as `w.astype(compute dtype)`, once per layer, through a matmul whose weight
-# gradient comes back in the weight's dtype (`layers.matmul_tokens`, the grouped GEMM's and the transport's
-# VJPs): differentiated through an fp32 upcast, their gradient is that compute-dtype value upcast. So the
-# train step differentiates them in the compute copy as they are and upcasts the gradient (the same values):
-# the fp32 upcast of the whole model, 33 GB per device in the hero's forward (XLA's GPU plan, docs/LOG.md
-# 2026-12-01, fifth session), is never made. Every other leaf (norm gains, router, embedding, LM head,
-# SConv) is upcast as before, so its gradient is accumulated in fp32.
-CAST_AT_USE_LEAVES = frozenset({"wq", "wk", "wv", "wo", "down", "up", "lat_down", "lat_up", "w_gate", "w_up",
-                                "w_down", "shared_gate", "shared_up", "shared_down"})
+# The routed experts' matrices: the model reads them only as `w.astype(compute dtype)`, once per layer,
+# through the grouped GEMM or the transport, whose weight gradients come back in the weight's dtype; their
+# cross-device sums (the EP shard_map's, the local backend's) were in that dtype already. Differentiated
+# through an fp32 upcast, their gradient is that compute-dtype value upcast. So the train step
+# differentiates them in the compute copy as they are and upcasts the gradient (the same values), and the
+# fp32 copy of the expert stacks, 32.6 GB per device in the hero's forward (XLA's GPU plan, docs/LOG.md
+# 2026-12-01, fifth session), is never made. Every other leaf is upcast as before: the FSDP-gathered
+# matrices so that their gradients are reduce-scattered in fp32 (in bf16 beside fp32 ones, XLA's GPU
+# reduce-scatter combiner made a mixed-precision op its verifier refused), the fp32-computed ones (norms,
+# router, embedding, LM head, SConv) so that their gradients are accumulated in fp32.
+CAST_AT_USE_LEAVES = frozenset(ROUTED_EXPERT_FIELDS)
 
 
 @pytree_dataclass

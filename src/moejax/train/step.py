@@ -106,8 +106,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     @kernel_choice.pinned(kernels)
     def train_step(state: TrainState, batch: dict):
         # Forward and backward read the device-resident compute copy (upcast: fp32 leaves give fp32 grads
-        # wherever the model computes in fp32 — router, norms — but the matrices cast at use, which are
-        # differentiated as they are: `differentiated_copy`); the fp32 master is only needed below.
+        # wherever the model computes in fp32 — router, norms — and FSDP grads reduce-scatter in fp32; the
+        # routed experts are differentiated as they are: `differentiated_copy`); the fp32 master is only
+        # needed below.
         # The router bias in it is the QB bias computed at the previous step.
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers,
                                          attention_kernel, layer_weights)
