@@ -43,6 +43,7 @@ TARGETS = {
 }
 DEFAULT_GPU = "NVIDIA H200"
 RESULT = "CUDA_AOT_RESULT "  # the subprocess's result line prefix
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call of a Pallas (Triton) kernel
 CASE = "CUDA_AOT_CASE "  # on stderr before each case's compile, so ptxas's warnings can be told apart
 
 
@@ -138,7 +139,7 @@ def compiled_numbers(compiled) -> dict:
     m = compiled.memory_analysis()
     kernels: dict[str, int] = {}
     for line in compiled.as_text().splitlines():
-        if 'custom_call_target="__gpu$xla.gpu.triton"' in line:
+        if f'custom_call_target="{TRITON_CALL}"' in line:
             found = _KERNEL_NAME.search(line)
             name = found.group(1) if found else "unnamed"
             kernels[name] = kernels.get(name, 0) + 1

@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from moejax.cuda_aot import TRITON_CALL  # how a Pallas (Triton) kernel appears in the lowered text
+
 
 def abstract_train_inputs(cfg, mesh, phase=None):
     """(abstract state, abstract batch, state shardings, batch sharding, optimizer, lr_fn); the batch of
@@ -125,15 +127,12 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
 
 
 def _per_device_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
-    import math
-
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
     import jax
 
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    from moejax.plan import _shard_elems
 
-
-TRITON_CALL = "__gpu$xla.gpu.triton"  # how a Pallas (Triton) kernel appears in the lowered text
+    return sum(n * size for _, _, n, size in _shard_elems(tree, jax.tree.map(lambda x: x.sharding, tree)))
 RESULT = "LOWER_RESULT "  # the subprocess's result line
 
 
