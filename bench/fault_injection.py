@@ -49,7 +49,7 @@ def train_args(run_dir: Path, steps: int, every: int, extra=()) -> list[str]:
     return ["train", "--preset", "tiny", "--run-dir", str(run_dir), "--steps", str(steps), "--no-progress",
             "--peak-flops", "1e11", "--wandb", "disabled",
             "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-            "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+            "--set", "train.eval_every=0", "--set", "train.eval_batches=0",
             "--set", f"train.checkpoint_every={every}", "--set", "train.temp_checkpoint_minutes=100000", *extra]
 
 

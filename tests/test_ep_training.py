@@ -26,10 +26,24 @@ NO_DROP_CF = 8.0
 EP_LOSS_RTOL = 2e-5
 
 
-def small(steps=5, **parallel):
+def small(steps=5, eval_batches=1, **parallel):
     cfg = apply_overrides(preset("tiny"), ["model.n_layers=2", "train.batch_size=8", "train.seq_len=64",
-                                           f"train.steps={steps}", "train.eval_every=0", "train.eval_batches=1"])
+                                           f"train.steps={steps}", "train.eval_every=0",
+                                           f"train.eval_batches={eval_batches}"])
     return replace(cfg, parallel=ParallelConfig(**parallel))
+
+
+def ep4():
+    """The pinned-host and preemption tests' config: 4 steps on data=2 x expert=4, no eval (not compared)."""
+    return small(steps=4, eval_batches=0, data=2, expert=4)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One uninterrupted device-state run of `ep4()`, the reference of both tests below."""
+    run = tmp_path_factory.mktemp("ep4") / "straight"
+    train(ep4(), run, OPTS)
+    return run
 
 
 def small_fp32_no_drop(**parallel):
@@ -54,21 +68,19 @@ def test_ep_run_equals_single_device_per_step(tmp_path):
     assert all(r["moe/drop_fraction"] == 0.0 for r in rows)  # so the comparison above is EP vs local, nothing else
 
 
-def test_pinned_host_state_equals_device_state(tmp_path):
-    cfg = small(steps=4, data=2, expert=4)  # the preemption test's config: its device run is a cache hit
-    train(cfg, tmp_path / "dev", OPTS)
+def test_pinned_host_state_equals_device_state(tmp_path, straight):
+    cfg = ep4()
     train(replace(cfg, train=replace(cfg.train, opt_state_memory="pinned_host")), tmp_path / "host", OPTS)
-    assert losses(tmp_path / "dev") == losses(tmp_path / "host")
+    assert losses(straight) == losses(tmp_path / "host")
     mesh = make_mesh(cfg.parallel)
     target = init_state(cfg, make_optimizer(cfg)[0], jax.random.key(0), mesh)
-    (sa, _), (sb, _) = (restore(list_checkpoints(tmp_path / d)[-1].path, target) for d in ("dev", "host"))
+    (sa, _), (sb, _) = (restore(list_checkpoints(d)[-1].path, target) for d in (straight, tmp_path / "host"))
     for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_preempted_ep_run_resumes_bit_identically_and_reshards(tmp_path, monkeypatch):
-    cfg = small(steps=4, data=2, expert=4)
-    train(cfg, tmp_path / "straight", OPTS)
+def test_preempted_ep_run_resumes_bit_identically_and_reshards(tmp_path, monkeypatch, straight):
+    cfg = ep4()
     run = tmp_path / "run"
     monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "2")
     with pytest.raises(Preempted):
@@ -88,9 +100,9 @@ def test_preempted_ep_run_resumes_bit_identically_and_reshards(tmp_path, monkeyp
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
     train(cfg, run, OPTS)  # the same call resumes on the same 8-device EP mesh: bit-identical
-    assert losses(run) == losses(tmp_path / "straight")
+    assert losses(run) == losses(straight)
     target = init_state(cfg, make_optimizer(cfg)[0], jax.random.key(0), make_mesh(cfg.parallel))
-    (a, _), (b, _) = (restore(list_checkpoints(d)[-1].path, target) for d in (tmp_path / "straight", run))
+    (a, _), (b, _) = (restore(list_checkpoints(d)[-1].path, target) for d in (straight, run))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

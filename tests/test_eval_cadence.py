@@ -38,3 +38,14 @@ def test_eval_at_start_every_n_and_at_the_end(tmp_path):
                            jnp.asarray(data.bytes_per_token), "eval/")
     assert rows[0]["eval/loss"] == pytest.approx(initial["eval/loss"], rel=SAME_PROGRAM_RTOL)
     assert rows[-1]["eval/loss"] < rows[0]["eval/loss"]  # and the later evals see trained weights
+
+
+def test_no_evaluation_is_one_setting():
+    """train.eval_batches=0 turns evaluation off, whatever the cadence says (the tiny preset evaluates every 100
+    steps, the hero also at start); the loop then compiles no eval step: test_alarms' runs have no eval keys."""
+    from moejax.config import ConfigError
+
+    for name in ("tiny", "hero"):
+        assert apply_overrides(preset(name), ["train.eval_batches=0"]).train.eval_batches == 0
+    with pytest.raises(ConfigError, match=r"eval_batches \(-1\) must be >= 0"):
+        apply_overrides(preset("tiny"), ["train.eval_batches=-1"])

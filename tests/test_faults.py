@@ -20,7 +20,7 @@ from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "tiny", "--no-progress", "--peak-flops", "1e11", "--wandb", "disabled",
          "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
-         "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+         "--set", "train.eval_every=0", "--set", "train.eval_batches=0",
          "--set", "train.temp_checkpoint_minutes=100000", "--set", "train.optimizer=adam"]
 ADAM = ["--set", "train.optimizer=adam"]
 

@@ -151,7 +151,7 @@ class TrainConfig:
     load_log_every: int = 100
     eval_every: int = 0  # also evaluate after every this-many steps; 0: only at the end
     eval_at_start: bool = False  # also evaluate the initial weights (logged with step 0) on a fresh run
-    eval_batches: int = 4
+    eval_batches: int = 4  # held-out batches per evaluation; 0: no evaluation at all (whatever the two above say)
     eval_batch_size: int = 0  # sequences per eval batch (SPEC §5: 64 per rack); 0: train.batch_size
     weight_decay: float = 0.0  # decoupled decay on head gate and router only (SPEC §4: optional 0.02)
     opt_state_memory: str = "device"  # "device" | "pinned_host": where fp32 master + optimizer state live
@@ -169,12 +169,13 @@ class TrainConfig:
 
     def __post_init__(self):
         _finite_floats(self)
-        _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "eval_batches",
-                  "checkpoint_every", "temp_checkpoint_minutes")
+        _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "checkpoint_every",
+                  "temp_checkpoint_minutes")
         _require(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction ({self.warmup_fraction}) must be in [0, 1)")
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")
         _require(self.eval_every >= 0, f"eval_every ({self.eval_every}) must be >= 0")
+        _require(self.eval_batches >= 0, f"eval_batches ({self.eval_batches}) must be >= 0")
         _require(self.eval_batch_size >= 0, f"eval_batch_size ({self.eval_batch_size}) must be >= 0")
         _require(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
                  f"weight_decay ({self.weight_decay}) must be a finite number >= 0")

@@ -204,6 +204,8 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
 
 
 def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
+    if not n_batches:  # train.eval_batches=0: no evaluation, and no eval step compiled
+        return {}
     params = s.state.compute  # device-resident, with the fp32 router bias the next train step routes with
     out = {}
     for prefix, fn in s.eval_fns.items():
@@ -233,7 +235,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                dynamic_ncols=True)
     saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
     try:
-        if start == 0 and t.eval_at_start:  # the initial weights: an eval-only row of step 0, before its train row
+        if start == 0 and t.eval_at_start and t.eval_batches:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
         with guard.deferred():  # from the first step on, a signal finishes the step and saves
             for step in range(start, t.steps):
