@@ -4,14 +4,17 @@ import atexit
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 
 # The suite's shapes are tiny, so compiling dominates its time. LLVM at -O0 cuts a compile by about a third
 # (measured: a 30 s model test takes 20 s); XLA's older loop emitters instead of its MLIR fusion emitters cut
 # what is left by almost half (the tiny EP train step: 14.2 -> 7.8 s, the same losses; docs/LOG.md
-# 2026-12-01). Both sides of every comparison are compiled alike, and the CLI subprocesses inherit the flags.
-# Benchmarks (bench/) never run with them.
+# 2026-12-01). That flag is gone from jaxlib 0.11 (the GPU machine's), whose XLA aborts on an unknown flag.
+# Both sides of every comparison are compiled alike, and the CLI subprocesses inherit the flags. Benchmarks
+# (bench/) never run with them.
+_LOOP_EMITTERS = tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11)  # read before jax is imported
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-          "--xla_cpu_use_fusion_emitters=false")
+          *(["--xla_cpu_use_fusion_emitters=false"] if _LOOP_EMITTERS else []))
 _have = os.environ.get("XLA_FLAGS", "").split()  # pytest-xdist workers inherit the controller's: add once
 os.environ["XLA_FLAGS"] = " ".join(_have + [f for f in _FLAGS if f not in _have])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
