@@ -444,3 +444,26 @@ def test_the_aftermath_of_a_failed_write_is_filtered_but_other_errors_pass():
     mine = record_from("raise ValueError('mine')", "Task exception was never retrieved")
     assert not ck._unretrieved_orbax_failure(orbax) and ck._unretrieved_orbax_failure(mine)
     assert ck._unretrieved_orbax_failure(logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "other", None, None))
+
+
+def test_small_replicated_arrays_save_without_per_replica_slices_in_orbaxs_layout(tmp_path):
+    """A save of arrays replicated over 8 devices compiles nothing: orbax's replica-parallel split (one eager
+    slice compiled per device and shape) is only for slices of MIN_REPLICA_SLICE_BYTES; the state directory
+    keeps the layout of orbax's default handler (with its per-array metadata)."""
+    mesh = mesh8()
+    rep = NamedSharding(mesh, P())
+    state = {"a": jax.device_put(jnp.arange(8 * 40, dtype=jnp.float32).reshape(8, 40), rep),
+             "b": jax.device_put(jnp.ones((24,), jnp.float32), rep)}  # shapes no other test saves
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with ck.CheckpointManager(tmp_path, permanent_every=100) as mgr:
+            mgr.save(100, state)
+            mgr.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    state_dir = tmp_path / "checkpoints" / "step_00000100" / "state"
+    assert {"array_metadatas", "manifest.ocdbt", "_METADATA"} <= {p.name for p in state_dir.iterdir()}
+    assert_bitwise_equal(ck.restore_latest(tmp_path, state)[0], state)

@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.metadata import array_metadata_store  # not exported; orbax's default handler uses it
 
 from moejax import faults
 from moejax.diffs import find_difference
@@ -87,7 +88,9 @@ def _register_array_handler() -> None:
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES)
+        # As orbax's default handler otherwise, with its per-array metadata store (`state/array_metadatas`).
+        handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+                                                 array_metadata_store=array_metadata_store.Store())
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
     finally:
         absl.setLevel(level)
