@@ -206,7 +206,8 @@ def tiny_ep_run(tmp_path, qb: bool) -> tuple[dict, list[dict]]:
 
     cfg = apply_overrides(preset("tiny"), [
         "model.n_layers=2", "train.batch_size=16", "train.seq_len=64", f"train.steps={EP_STEPS}",
-        "train.eval_every=0", "train.eval_batches=0", "train.optimizer=adam", "train.learning_rate=0.003",
+        "train.eval_every=5", "train.eval_at_start=true", "train.eval_batches=0",  # eval_batches=0: no eval at all
+        "train.optimizer=adam", "train.learning_rate=0.003",
         "train.warmup_fraction=0", f"model.qb={str(qb).lower()}", "alarms.every=1", "alarms.patience=3",
         f"alarms.collapse_ratio={COLLAPSE_RATIO_TINY}"])
     cfg = replace(cfg, parallel=ParallelConfig(data=2, expert=4))
@@ -222,7 +223,8 @@ def test_ep_run_without_qb_raises_collapse_and_with_qb_none(tmp_path, capsys):
     assert raised and all(a["value"] >= COLLAPSE_RATIO_TINY and a["layer"] in (0, 1) for a in raised)
     assert all(r["train/router/bias_range"] == 0.0 for r in off_rows)  # no QB: the bias never moves
     assert "alarm collapse raised at step" in capsys.readouterr().err
-    assert not any(k.startswith("eval") for r in off_rows for k in r) and "eval/loss" not in off  # eval_batches=0
+    assert [r["step"] for r in off_rows] == list(range(EP_STEPS))  # eval_batches=0: no eval-only row of step 0,
+    assert not any(k.startswith("eval") for r in off_rows for k in r) and "eval/loss" not in off  # no eval keys
 
     on, on_rows = tiny_ep_run(tmp_path, qb=True)
     assert on["alarms"] == {}, on["alarms"]

@@ -450,6 +450,7 @@ def test_small_replicated_arrays_save_without_per_replica_slices_in_orbaxs_layou
     """A save of arrays replicated over 8 devices compiles nothing: orbax's replica-parallel split (one eager
     slice compiled per device and shape) is only for slices of MIN_REPLICA_SLICE_BYTES; the state directory
     keeps the layout of orbax's default handler (with its per-array metadata)."""
+    jax.clear_caches()  # slices of these shapes compiled by an earlier test would not show
     mesh = mesh8()
     rep = NamedSharding(mesh, P())
     state = {"a": jax.device_put(jnp.arange(8 * 40, dtype=jnp.float32).reshape(8, 40), rep),

@@ -42,10 +42,16 @@ def test_eval_at_start_every_n_and_at_the_end(tmp_path):
 
 def test_no_evaluation_is_one_setting():
     """train.eval_batches=0 turns evaluation off, whatever the cadence says (the tiny preset evaluates every 100
-    steps, the hero also at start); the loop then compiles no eval step: test_alarms' runs have no eval keys."""
+    steps, the hero also at start). The loop then evaluates nowhere and compiles no eval step: test_alarms'
+    runs, with eval_every=5 and eval_at_start=true, have no eval row and no eval key."""
     from moejax.config import ConfigError
 
     for name in ("tiny", "hero"):
         assert apply_overrides(preset(name), ["train.eval_batches=0"]).train.eval_batches == 0
+    # Nor do the eval rows have to divide over the batch shards then (tiny's 4 shards with data=2, expert=2).
+    bad_rows = ["parallel.data=2", "parallel.expert=2", "train.eval_batch_size=6"]
+    with pytest.raises(ConfigError, match=r"eval_batch_size \(6\) is not divisible by the batch shards"):
+        apply_overrides(preset("tiny"), bad_rows)
+    assert apply_overrides(preset("tiny"), [*bad_rows, "train.eval_batches=0"]).train.eval_batch_size == 6
     with pytest.raises(ConfigError, match=r"eval_batches \(-1\) must be >= 0"):
         apply_overrides(preset("tiny"), ["train.eval_batches=-1"])

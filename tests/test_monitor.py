@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from moejax.cli import main
 from moejax.config import AlarmConfig, RunConfig, TrainConfig
 from moejax.metrics import MetricsWriter, read_metrics
 from moejax.train.alarms import LOAD_KEY
@@ -100,18 +101,23 @@ def test_alarm_steps_are_always_written(tmp_path):
                      for st, s, a in ((3, "raised", rows[1]["alarms"][0]), (4, "cleared", rows[2]["alarms"][0]))]
 
 
-def test_summary_after_a_restart_covers_the_whole_run(tmp_path):
-    """Two segments (steps 0-5, then 6-9 after a 'resume'): the second rebuilds its totals from the rows."""
+def test_summary_after_a_restart_covers_the_whole_run(tmp_path, capsys):
+    """Two segments (steps 0-5, then 6-9 after a 'resume'): the second rebuilds its totals from the rows. The
+    first evaluated at its last step, the second not at all (train.eval_batches=0): the summary says where
+    its eval comes from."""
     cfg = replace(config(log_every=2, load_log_every=0), alarms=AlarmConfig(every=1, window=3))
     grads = [1.0, 1.0, 1.0, 40.0, 1.0, 1.0, 1.0, 1.0, 1.0, 60.0]  # a restart refills the window
     writer = MetricsWriter(tmp_path, wandb_mode="disabled")
     first = StepLog(cfg, writer, RunTotals(), emit=lambda line: None)
     for step in range(6):
         m = {**step_metrics(step, 0.0), "train/grad_norm": grads[step]}
+        if step == 5:
+            m.update({"eval/loss": 5.5, "eval/bpb": 2.25})
         first.check(step, m, None)
         first.record(step, m, None)
     writer.close()
 
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 2, 3, 4, 5]  # 3: its alarm; 5: its eval
     totals = RunTotals.from_rows(read_metrics(tmp_path))
     writer = MetricsWriter(tmp_path, wandb_mode="disabled")
     second = StepLog(cfg, writer, totals, emit=lambda line: None)
@@ -125,3 +131,8 @@ def test_summary_after_a_restart_covers_the_whole_run(tmp_path):
     assert s["wall_seconds"] >= totals.wall_before > 0
     assert s["alarms"]["grad_norm"]["count"] == 2
     assert "at step 3:" in s["alarms"]["grad_norm"]["first"] and "at step 9:" in s["alarms"]["grad_norm"]["last"]
+    assert (s["eval/loss"], s["eval/bpb"], s["eval_step"]) == (5.5, 2.25, 5)
+    (tmp_path / "summary.json").write_text(json.dumps(s))
+    assert main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "eval loss   5.500   eval bits/byte 2.250   (step 5's row; later steps were not evaluated)" in out

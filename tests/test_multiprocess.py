@@ -11,8 +11,8 @@ import numpy as np
 
 ARGS = ["train", "--preset", "tiny", "--steps", "3", "--no-progress", "--peak-flops", "1e11",
         "--mesh", "data=2,expert=4", "--set", "model.n_layers=1", "--set", "train.batch_size=8",
-        "--set", "train.seq_len=32", "--set", "train.eval_every=0", "--set", "train.eval_batches=0",
-        "--set", "train.optimizer=adam"]  # no eval, and Adam: the two-process test compiles at XLA's default -O2
+        "--set", "train.seq_len=32", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+        "--set", "train.optimizer=adam"]  # Adam: the two-process test compiles at XLA's default -O2
 TRACE_RTOL = 1e-5  # gloo all-reduces may sum in another order than the in-process CPU collectives
 
 
@@ -28,7 +28,10 @@ def _free_port() -> int:
 
 
 def _losses(run_dir):
-    return [json.loads(line)["train/loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The train loss of every step, then the end's eval losses (capacity path, and dropless on the local path:
+    each process feeds its own eval rows)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in rows] + [rows[-1]["eval/loss"], rows[-1]["eval_dropless/loss"]]
 
 
 def test_two_processes_match_one_process(tmp_path):

@@ -79,7 +79,9 @@ KINDS = ("permanent", "temporary", "final")
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 # orbax splits every replicated array's write across its replicas ("replica-parallel"). Each slice is an eager
 # `lax.slice` on one device, compiled per device and shape: ~70 compiles (~5 s here) at the first save of the
-# tiny model on 8 devices, for arrays of a few KiB. Only split when each replica writes at least this much.
+# tiny model on 8 devices, for arrays of a few KiB. Only split when each replica's slice (shard bytes /
+# replicas) is at least this much; smaller shards are written whole by replica 0, as without replica-parallel.
+# The handler is registered in orbax's global registry when this module is imported.
 MIN_REPLICA_SLICE_BYTES = 4 << 20
 
 

@@ -227,7 +227,9 @@ def _cmd_summary(args) -> int:
     print(f"run {args.run_dir} ({s['preset']}): {s['steps']} steps in {s['wall_seconds']:.0f} s")
     print(f"  train loss  {s['first_loss']:.3f} -> {s['last_loss']:.3f}")
     if "eval/loss" in s:
-        print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}")
+        at = s.get("eval_step", s["steps"] - 1)  # older summaries: the run's last step, where every run evaluated
+        when = f"   (step {at}'s row; later steps were not evaluated)" if at < s["steps"] - 1 else ""
+        print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}{when}")
     print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   MFU {100 * s['mfu']:.1f}% of measured matmul peak")
     print(f"  MoE drops   {100 * s['drop_fraction']:.2f}%")
     for line in _alarm_lines(s):

@@ -456,7 +456,7 @@ class RunConfig:
             _require(not m.attn_q_block or ph.chunk <= m.attn_q_block or ph.chunk % m.attn_q_block == 0,
                      f"context schedule: seq_len {ph.seq_len} / context-parallel degree {ph.context} = chunk "
                      f"{ph.chunk} is not divisible by model.attn_q_block ({m.attn_q_block})")
-        _require(t.eval_rows % p.batch_shards == 0,
+        _require(not t.eval_batches or t.eval_rows % p.batch_shards == 0,
                  f"eval_batch_size ({t.eval_rows}) is not divisible by the batch shards "
                  f"(replica_dcn*data*expert = {p.batch_shards})")
         # Expert ids ride in the activation payload (SPEC §3): bf16 holds integers exactly only up to 256,

@@ -133,7 +133,8 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
     for k in used:
         for _, length, _ in schedule.boundaries:
             _need_tokens(names[k], "train", cuts[k], length)
-        _need_tokens(names[k], "eval", sources[k].n_tokens - cuts[k], t.seq_len)
+        if t.eval_batches:  # the held-out split stays cut off either way: the train data doesn't change
+            _need_tokens(names[k], "eval", sources[k].n_tokens - cuts[k], t.seq_len)
 
     def n_windows(k, seq_len):
         return (cuts[k] - 1) // seq_len

@@ -48,6 +48,8 @@ class RunTotals:
         self.first_loss = None
         self.last_step: int | None = None
         self.last: dict = {}  # LAST_KEYS -> the latest value logged
+        self.eval_step: int | None = None  # the row of the latest eval (earlier than the last step if a later
+        # segment ran with train.eval_batches=0)
         self.tokens_per_second: deque[float] = deque(maxlen=THROUGHPUT_WINDOW)
         self.mfu: deque[float] = deque(maxlen=THROUGHPUT_WINDOW)
         self.wall_before = 0.0  # seconds spent in earlier segments of this run
@@ -58,6 +60,8 @@ class RunTotals:
             self.first_step, self.first_loss = step, row.get("train/loss")
         self.last_step = step
         self.last.update({k: row[k] for k in LAST_KEYS if k in row})
+        if "eval/loss" in row:
+            self.eval_step = step
         if steady and (tps := _finite(row.get("throughput/tokens_per_second"))) is not None:
             self.tokens_per_second.append(tps)
             if (mfu := _finite(row.get("throughput/mfu"))) is not None:
@@ -90,6 +94,8 @@ class RunTotals:
                "mfu": statistics.median(self.mfu) if self.mfu else 0.0, "wall_seconds": wall_seconds,
                "drop_fraction": self.last.get("moe/drop_fraction"), "alarms": self.alarms}
         out.update({k: self.last[k] for k in LAST_KEYS[2:] if k in self.last})
+        if self.eval_step is not None:
+            out["eval_step"] = self.eval_step
         return out
 
 
@@ -125,7 +131,8 @@ class StepLog:
         self.totals.add(step, metrics, steady=self._steps >= COMPILE_STEPS)
         self._steps += 1
         with_load = load_LE is not None and t.load_log_every > 0 and (last or step % t.load_log_every == 0)
-        if with_load or last or step % t.log_every == 0 or ROW_KEY in metrics:
+        # Alarm and eval rows are written whatever log_every says (an eval every 25 steps, rows every 10).
+        if with_load or last or step % t.log_every == 0 or ROW_KEY in metrics or "eval/loss" in metrics:
             row = {**metrics, LOAD_KEY: np.asarray(load_LE)} if with_load else metrics
             self.writer.log(step, row)
 
