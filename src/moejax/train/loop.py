@@ -197,15 +197,16 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
         return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
                        out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
-    eval_fns = {"eval/": jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))}
-    if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-        eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel, weights))
+    eval_fns = {}
+    if t.eval_batches:  # 0: no evaluation, so no eval step at all
+        eval_fns["eval/"] = jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
+        if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
+            eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
+                                                                weights))
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 
 def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
-    if not n_batches:  # train.eval_batches=0: no evaluation, and no eval step compiled
-        return {}
     params = s.state.compute  # device-resident, with the fp32 router bias the next train step routes with
     out = {}
     for prefix, fn in s.eval_fns.items():
@@ -235,7 +236,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                dynamic_ncols=True)
     saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
     try:
-        if start == 0 and t.eval_at_start and t.eval_batches:  # the initial weights: an eval-only row of step 0
+        if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
         with guard.deferred():  # from the first step on, a signal finishes the step and saves
             for step in range(start, t.steps):

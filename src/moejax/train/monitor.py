@@ -29,7 +29,8 @@ from moejax.train.alarms import LOAD_KEY, ROW_KEY, Alarm, Alarms, alarm_fields
 THROUGHPUT_WINDOW = 1024  # the summary's tokens/s and MFU: median over the most recent this-many steady steps
 COMPILE_STEPS = 2  # the first steps of every (re)start are compile-dominated: left out of the throughput
 WALL_KEY = "time/wall_seconds"  # seconds of training so far, summed over restarts
-LAST_KEYS = ("train/loss", "moe/drop_fraction", "eval/loss", "eval/bpb", "eval_dropless/loss", "eval_dropless/bpb")
+EVAL_KEY = "eval/loss"  # in a row: an evaluation ran at that step
+LAST_KEYS = ("train/loss", "moe/drop_fraction", EVAL_KEY, "eval/bpb", "eval_dropless/loss", "eval_dropless/bpb")
 
 
 def _finite(v) -> float | None:
@@ -60,7 +61,7 @@ class RunTotals:
             self.first_step, self.first_loss = step, row.get("train/loss")
         self.last_step = step
         self.last.update({k: row[k] for k in LAST_KEYS if k in row})
-        if "eval/loss" in row:
+        if EVAL_KEY in row:
             self.eval_step = step
         if steady and (tps := _finite(row.get("throughput/tokens_per_second"))) is not None:
             self.tokens_per_second.append(tps)
@@ -132,7 +133,7 @@ class StepLog:
         self._steps += 1
         with_load = load_LE is not None and t.load_log_every > 0 and (last or step % t.load_log_every == 0)
         # Alarm and eval rows are written whatever log_every says (an eval every 25 steps, rows every 10).
-        if with_load or last or step % t.log_every == 0 or ROW_KEY in metrics or "eval/loss" in metrics:
+        if with_load or last or step % t.log_every == 0 or ROW_KEY in metrics or EVAL_KEY in metrics:
             row = {**metrics, LOAD_KEY: np.asarray(load_LE)} if with_load else metrics
             self.writer.log(step, row)
 
