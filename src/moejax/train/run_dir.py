@@ -224,6 +224,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
     return {"git_sha": sha, "python": sys.version.split()[0],
             "versions": {p: importlib.metadata.version(p) for p in LIBRARIES},
             "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # huge pages or not: moejax.hostmem
             "peak_flops": peak, "accounting": accounting.summary(cfg, param_count(cfg.model))}
 
 
