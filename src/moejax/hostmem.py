@@ -8,7 +8,9 @@ takes that to ~1,500 faults and the step to 2.3 s, with the same values. A tunab
 process starts, so the `moejax` command re-executes itself once with it set (same pid, argv, stdio).
 
 Nothing happens off Linux, on another libc or an older glibc, where the kernel's transparent huge pages are
-`never`, where GLIBC_TUNABLES already names the tunable, or with MOEJAX_HUGE_PAGES=0.
+`never`, where GLIBC_TUNABLES already names the tunable, with MOEJAX_HUGE_PAGES=0, for a program read from
+stdin or typed in, and in a process this one started by re-executing (a marker in its environment: glibc drops
+tunables for setuid or file-capability binaries, and the process must not re-execute forever).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "MOEJAX_HUGE_PAGES"
+EXECUTED = "MOEJAX_HUGE_PAGES_EXECUTED"  # set in the re-executed process's environment
 MIN_GLIBC = (2, 35)  # the first glibc with glibc.malloc.hugetlb
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _glibc_version() -> tuple[int, ...] | None:
@@ -34,7 +37,7 @@ def _glibc_version() -> tuple[int, ...] | None:
 def _thp_mode() -> str:
     """The kernel's mode, the bracketed word of e.g. "always [madvise] never"; "" when unreadable."""
     try:
-        text = THP_MODE.read_text()
+        text = THP_ENABLED.read_text()
     except OSError:
         return ""
     return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
@@ -43,23 +46,27 @@ def _thp_mode() -> str:
 def huge_page_env(environ: dict[str, str]) -> dict[str, str] | None:
     """`environ` with the tunable added to GLIBC_TUNABLES, or None where it would change nothing."""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if environ.get(OPT_OUT) == "0" or TUNABLE in tunables or not sys.platform.startswith("linux"):
+    if environ.get(OPT_OUT) == "0" or EXECUTED in environ or TUNABLE in tunables:
+        return None
+    if not sys.platform.startswith("linux"):
         return None
     version = _glibc_version()
     if version is None or version < MIN_GLIBC or _thp_mode() not in ("madvise", "always"):
         return None
-    return {**environ, "GLIBC_TUNABLES": ":".join(t for t in (tunables, f"{TUNABLE}=1") if t)}
+    return {**environ, "GLIBC_TUNABLES": ":".join(t for t in (tunables, f"{TUNABLE}=1") if t), EXECUTED: "1"}
 
 
 def exec_with_huge_pages() -> None:
     """Re-execute this interpreter, same arguments, with the tunable set; return where that changes nothing.
 
-    Call it first thing in a script's entry point, before jax (or anything that allocates much) is imported.
+    Call it first thing in a script's entry point: what was imported before (jax: ~1 s) is imported again.
     """
     env = huge_page_env(dict(os.environ))
     argv = getattr(sys, "orig_argv", None)  # the interpreter's own argv (`-m`, `-c`, the script), 3.10+
-    if env is None or not argv or not sys.executable:
+    # A program from stdin ("-") or typed in ("") can't run again: stdin has been read.
+    if env is None or not argv or not sys.executable or sys.argv[0] in ("", "-"):
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None when the fd was closed (`moejax ... >&-`)
+            stream.flush()
     os.execve(sys.executable, [sys.executable, *argv[1:]], env)
