@@ -8,6 +8,8 @@ steps after `--warmup` untimed ones (compile excluded), each blocked on; batches
 so data loading is not timed. The knob's two settings (`--compare`: `remat` by default, or `scan_layers`,
 the other one staying at the preset's value) alternate step by step, so a busy shared machine slows both alike
 rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
+Like the `moejax` command, it first re-executes itself with glibc's malloc on transparent huge pages
+(`moejax.hostmem`; MOEJAX_HUGE_PAGES=0 measures without), and prints the GLIBC_TUNABLES it ran with.
 
 `--cpu-shape` swaps in issue 11's CPU shape (d256, 4 layers, 4 heads x 64, 32 experts top-4, expert and
 latent width 128, vocab 8,192, seq 256, batch 16, fp32; the rest as the tiny preset, e.g. 2 shared experts).
