@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 
 import jax
 import numpy as np
 
-from moejax import accounting
+from moejax import accounting, hostmem
 from moejax.presets import TINY
 from moejax.data.pipeline import make_data
-from moejax.hostmem import exec_with_huge_pages
 from moejax.perf import measure_matmul_peak
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
@@ -77,7 +75,7 @@ def time_interleaved(cfg, knob: str, batches: list[dict], warmup: int) -> dict:
 
 
 def main() -> None:
-    exec_with_huge_pages()  # host buffers as the `moejax` command has them (moejax.hostmem); may re-execute
+    hostmem.exec_with_huge_pages()  # host buffers as the `moejax` command has them (moejax.hostmem); may re-execute
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per setting")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
@@ -106,7 +104,7 @@ def main() -> None:
           f"{m.n_experts} experts top-{m.top_k}, "
           f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
-    print(f"host memory: GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} (moejax.hostmem)")
+    print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r} (moejax.hostmem)")
     print(f"measured fp32 matmul peak (1024^3, best of 5): {peak / 1e9:.1f} GFLOP/s")
     print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps; "
           f"remat {t.remat}, scan_layers {t.scan_layers} unless compared\n")

@@ -25,6 +25,11 @@ print(os.environ.get("GLIBC_TUNABLES", ""), faults, os.getpid(), sep="|")
 PAGES_4K = 4096 * 8192 * 4 // 4096
 
 
+def _unset_env() -> dict[str, str]:
+    """This environment without any huge-page setting: a child decides for itself."""
+    return {k: v for k, v in os.environ.items() if k not in (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED)}
+
+
 def test_env_adds_the_tunable_where_glibc_and_the_kernel_can_and_respects_the_user(monkeypatch):
     monkeypatch.setattr(hostmem.sys, "platform", "linux")
     monkeypatch.setattr(hostmem, "_glibc_version", lambda: (2, 36))
@@ -54,7 +59,7 @@ def test_this_machines_glibc_and_kernel_are_read():
 
 
 def test_the_process_re_executes_once_and_its_large_buffers_fault_in_huge_pages():
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hostmem.OPT_OUT, hostmem.EXECUTED)}
+    env = _unset_env()
     env["XLA_FLAGS"] = ""  # one device is enough
 
     def child(**extra):
@@ -91,7 +96,7 @@ def test_the_command_and_python_m_moejax_run_the_cli_after_re_executing():
 
 
 def test_a_closed_stdout_or_a_program_from_stdin_is_left_alone():
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hostmem.OPT_OUT, hostmem.EXECUTED)}
+    env = _unset_env()
     program = "from moejax.hostmem import exec_with_huge_pages; exec_with_huge_pages(); print('ran')"
     p = subprocess.run([sys.executable, "-"], input=program, capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0 and p.stdout == "ran\n", p.stderr  # run once, not re-executed with stdin spent

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+TUNABLES_VAR = "GLIBC_TUNABLES"  # glibc reads it once, at process start
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "MOEJAX_HUGE_PAGES"
 EXECUTED = "MOEJAX_HUGE_PAGES_EXECUTED"  # set in the re-executed process's environment
@@ -43,17 +44,21 @@ def _thp_mode() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 
 
+def tunables(environ=os.environ) -> str:
+    """The glibc tunables a process started with ("" for none): what run_info.json and the bench record."""
+    return environ.get(TUNABLES_VAR, "")
+
+
 def huge_page_env(environ: dict[str, str]) -> dict[str, str] | None:
     """`environ` with the tunable added to GLIBC_TUNABLES, or None where it would change nothing."""
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if environ.get(OPT_OUT) == "0" or EXECUTED in environ or TUNABLE in tunables:
-        return None
-    if not sys.platform.startswith("linux"):
+    current = tunables(environ)
+    if (environ.get(OPT_OUT) == "0" or EXECUTED in environ or TUNABLE in current
+            or not sys.platform.startswith("linux")):
         return None
     version = _glibc_version()
     if version is None or version < MIN_GLIBC or _thp_mode() not in ("madvise", "always"):
         return None
-    return {**environ, "GLIBC_TUNABLES": ":".join(t for t in (tunables, f"{TUNABLE}=1") if t), EXECUTED: "1"}
+    return {**environ, TUNABLES_VAR: ":".join(t for t in (current, f"{TUNABLE}=1") if t), EXECUTED: "1"}
 
 
 def exec_with_huge_pages() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from moejax import accounting
+from moejax import accounting, hostmem
 from moejax.checkpoint import list_checkpoints
 from moejax.config import RunConfig
 from moejax.diffs import first_difference
@@ -224,7 +224,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
     return {"git_sha": sha, "python": sys.version.split()[0],
             "versions": {p: importlib.metadata.version(p) for p in LIBRARIES},
             "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
-            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # huge pages or not: moejax.hostmem
+            "glibc_tunables": hostmem.tunables(),  # huge pages or not
             "peak_flops": peak, "accounting": accounting.summary(cfg, param_count(cfg.model))}
 
 
