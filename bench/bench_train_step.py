@@ -9,7 +9,9 @@ so data loading is not timed. The knob's two settings (`--compare`: `remat` by d
 the other one staying at the preset's value) alternate step by step, so a busy shared machine slows both alike
 rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
 Like the `moejax` command, it first re-executes itself with glibc's malloc on transparent huge pages
-(`moejax.hostmem`; MOEJAX_HUGE_PAGES=0 measures without), and prints the GLIBC_TUNABLES it ran with.
+(`moejax.hostmem`; MOEJAX_HUGE_PAGES=0 measures without), and prints the GLIBC_TUNABLES it ran with; the
+steps compile with the training loop's XLA options (`xla_flags.step_compiler_options`: on CPU, YNNPACK
+fusions off unless XLA_FLAGS sets them), also printed.
 
 `--cpu-shape` swaps in issue 11's CPU shape (d256, 4 layers, 4 heads x 64, 32 experts top-4, expert and
 latent width 128, vocab 8,192, seq 256, batch 16, fp32; the rest as the tiny preset, e.g. 2 shared experts).
@@ -34,6 +36,7 @@ from moejax.perf import measure_matmul_peak
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
+from moejax.xla_flags import step_compiler_options
 
 
 # Issue 11's CPU benchmark shape (model fields; batch 16 x seq 256 set in main).
@@ -51,7 +54,7 @@ def compiled_step(cfg, batch: dict):
     donate = () if cfg.model.compute_dtype == "float32" else 0
     step_fn = jax.jit(make_train_step(cfg.model, optimizer, lr_fn, remat=cfg.train.remat,
                                       scan_layers=cfg.train.scan_layers),
-                      donate_argnums=donate)
+                      donate_argnums=donate, compiler_options=step_compiler_options(jax.default_backend()))
     t0 = time.perf_counter()
     state, _ = jax.block_until_ready(step_fn(state, batch))
     return step_fn, state, time.perf_counter() - t0
@@ -105,6 +108,7 @@ def main() -> None:
           f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
     print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r} (moejax.hostmem)")
+    print(f"step compiler options: {step_compiler_options(jax.default_backend())} (moejax.xla_flags)")
     print(f"measured fp32 matmul peak (1024^3, best of 5): {peak / 1e9:.1f} GFLOP/s")
     print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps; "
           f"remat {t.remat}, scan_layers {t.scan_layers} unless compared\n")

@@ -158,11 +158,11 @@ def test_the_loops_steps_run_every_kernel_per_batch_shard(axes, monkeypatch):
     step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
                                        None, remat=False)
     local = cfg.parallel.resolved_backend == "local"
-    train = _pallas_calls(jax.make_jaxpr(step_fn(cfg.phases[0]))(state, batch).jaxpr)
+    train = _pallas_calls(step_fn(cfg.phases[0]).trace(state, batch).jaxpr.jaxpr)  # top level: compiler_options
     assert train == {False: 0, True: model.n_layers * (3 + (9 if local else 0))}
     bytes_per_token = jnp.ones((model.vocab_size,), jnp.float32)
     want_eval = {"eval/": 1 + (3 if local else 0), "eval_dropless/": 1 + 3}
     assert set(eval_fns) == ({"eval/"} if local else {"eval/", "eval_dropless/"})
     for prefix, fn in eval_fns.items():
-        calls = _pallas_calls(jax.make_jaxpr(fn)(state.compute, batch, bytes_per_token).jaxpr)
+        calls = _pallas_calls(fn.trace(state.compute, batch, bytes_per_token).jaxpr.jaxpr)
         assert calls == {False: 0, True: model.n_layers * want_eval[prefix]}, prefix

@@ -4,7 +4,9 @@ MFU is model FLOPs per second over the *whole job's* peak, so it reads the same 
 job size. The per-device peak is measured at start: a bf16 matmul on GPU/TPU (the dtype the model trains
 in), fp32 on CPU (bf16 is no faster there). Forced host "devices" on CPU (`--xla_force_host_platform_
 device_count`) share one process's cores, so a CPU job's peak is the measured one times the process
-count, not times the device count.
+count, not times the device count. The peak matmul compiles with XLA's defaults, not the steps' options
+(`xla_flags.step_compiler_options`): on CPU the default YNNPACK dot reaches the higher 1024^3 rate of the two
+(docs/LOG.md, 2026-12-02, eighth session), so MFU is not flattered by the choice.
 """
 
 from __future__ import annotations

@@ -1,12 +1,48 @@
-"""XLA_FLAGS shared by the CLI and the subprocesses it (and the tests, benches and CUDA compiles) starts.
+"""XLA settings: the XLA_FLAGS shared by the CLI and the subprocesses it (and the tests, benches and CUDA
+compiles) starts, and the compiler options the jitted train and eval steps are built with.
 
 A forced host-device count is read once, when XLA's first backend starts, so a subprocess that lays out its
 own mesh must not inherit its parent's.
+
+XLA:CPU hands dots and many elementwise and reduction fusions to YNNPACK by default. A MoE step is full of
+batched matmuls only 64-128 wide (grouped-GEMM blocks, Newton-Schulz stacks, attention heads), which YNNPACK
+runs at ~40% of the 1024^3 peak; XLA's own Eigen dots and fused loops run them 1.2-1.8x faster. The whole
+train step at issue 11's CPU shape: 1.18-1.23x, both compiled in one process (docs/LOG.md, 2026-12-02,
+eighth session). So the steps compile with YNNPACK fusions off on CPU, per executable (not process-wide, so
+nothing else changes), unless XLA_FLAGS names the option: the user's setting wins.
 """
 
+from __future__ import annotations
+
+import functools
+import os
+
 FORCED_HOST_DEVICES = "--xla_force_host_platform_device_count"
+YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
+CPU_STEP_OPTIONS = {YNN_FUSIONS: ""}  # an empty list of library fusion types: none
 
 
 def without_forced_host_devices(xla_flags: str) -> str:
     """XLA_FLAGS for a `moejax` subprocess: all but a forced host-device count, so that `--mesh` sets its own."""
     return " ".join(f for f in xla_flags.split() if not f.startswith(FORCED_HOST_DEVICES))
+
+
+def step_compiler_options(platform: str) -> dict:
+    """`compiler_options` for a jitted train or eval step on `platform` ("cpu", "gpu", ...): CPU_STEP_OPTIONS on
+    CPU, unless XLA_FLAGS sets one of them or this jaxlib doesn't know it (an unknown option fails every
+    compile); nothing elsewhere. Recorded in run_info.json."""
+    if platform != "cpu" or any(f"--{k}" in os.environ.get("XLA_FLAGS", "") for k in CPU_STEP_OPTIONS):
+        return {}
+    return dict(CPU_STEP_OPTIONS) if _cpu_options_known() else {}
+
+
+@functools.cache
+def _cpu_options_known() -> bool:
+    import jax  # not at import: the CLI sets XLA_FLAGS before jax starts
+    import jax.numpy as jnp
+
+    try:
+        jax.jit(lambda x: x + 1).lower(jnp.zeros(())).compile(compiler_options=CPU_STEP_OPTIONS)
+    except jax.errors.JaxRuntimeError:  # INVALID_ARGUMENT: No such compile option
+        return False
+    return True

@@ -46,6 +46,7 @@ from moejax.train.run_dir import (RunError, RunLock, prepare_run_dir, read_summa
                                   write_json)
 from moejax.train.state import TrainState, init_state, place_state
 from moejax.train.step import make_eval_step, make_train_step
+from moejax.xla_flags import step_compiler_options
 
 
 class Preempted(RuntimeError):
@@ -94,7 +95,8 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             peak_info = job_peak(opts.peak_flops)
             peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
             if _primary():
-                write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe()})
+                write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe(),
+                                                       "step_compiler_options": _compiler_options(mesh)})
             return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
         except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
             raise RunError(str(e)) from None
@@ -180,13 +182,20 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
                     jnp.asarray(data.bytes_per_token))
 
 
+def _compiler_options(mesh: Mesh) -> dict:
+    """XLA options of the jitted steps on `mesh`'s platform (`xla_flags.step_compiler_options`)."""
+    return step_compiler_options(mesh.devices.flat[0].platform)
+
+
 def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str):
     """(phase -> jitted train step, {prefix: jitted eval step}) for `mesh`: the MoE backend, the attention
     kernel and the layers' weights at use bound to it (`parallel.backends`), one train step per (context-parallel degree, capacity factors)
-    of the context schedule (the transport's static buffer sizes and the chunk layout are baked into it)."""
+    of the context schedule (the transport's static buffer sizes and the chunk layout are baked into it),
+    all compiled with the platform's step options (`xla_flags.step_compiler_options`)."""
     m, t = cfg.model, cfg.train
     routed, kernel, weights = moe_backend(cfg.parallel, mesh), attention_kernel(mesh), layer_weights(mesh)
     batch_sh = batch_sharding(mesh)
+    jit = functools.partial(jax.jit, compiler_options=_compiler_options(mesh))
 
     @functools.cache
     def phase_step(context: int, cf_send: float, cf_recv: float):
@@ -194,15 +203,15 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
         fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=remat, offload=offload,
                              context=context, scan_layers=t.scan_layers, attention_kernel=kernel,
                              layer_weights=weights)
-        return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
-                       out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
+        return jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
     eval_fns = {}
     if t.eval_batches:  # 0: no evaluation, so no eval step at all
-        eval_fns["eval/"] = jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
+        eval_fns["eval/"] = jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
         if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-            eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
-                                                                weights))
+            eval_fns["eval_dropless/"] = jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
+                                                            weights))
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 
