@@ -1,5 +1,5 @@
 """XLA settings: the XLA_FLAGS shared by the CLI and the subprocesses it (and the tests, benches and CUDA
-compiles) starts, and the compiler options the jitted train and eval steps are built with.
+compiles) starts, and the compiler options the jitted train steps are built with.
 
 A forced host-device count is read once, when XLA's first backend starts, so a subprocess that lays out its
 own mesh must not inherit its parent's.
@@ -8,8 +8,10 @@ XLA:CPU hands dots and many elementwise and reduction fusions to YNNPACK by defa
 batched matmuls only 64-128 wide (grouped-GEMM blocks, Newton-Schulz stacks, attention heads), which YNNPACK
 runs at ~40% of the 1024^3 peak; XLA's own Eigen dots and fused loops run them 1.2-1.8x faster. The whole
 train step at issue 11's CPU shape: 1.18-1.23x, both compiled in one process (docs/LOG.md, 2026-12-02,
-eighth session). So the steps compile with YNNPACK fusions off on CPU, per executable (not process-wide, so
-nothing else changes), unless XLA_FLAGS names the option: the user's setting wins.
+eighth session); the tiny demo's step 1.04-1.12x. So train steps compile with YNNPACK fusions off on CPU,
+per executable (not process-wide, so nothing else changes), unless XLA_FLAGS names the option: the user's
+setting wins. Eval steps keep XLA's defaults: a forward pass is mostly the LM head's one large dot, which
+YNNPACK runs faster (the tiny eval step measured 0.82-0.99x with the option).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def without_forced_host_devices(xla_flags: str) -> str:
 
 
 def step_compiler_options(platform: str) -> dict:
-    """`compiler_options` for a jitted train or eval step on `platform` ("cpu", "gpu", ...): CPU_STEP_OPTIONS on
+    """`compiler_options` for a jitted train step on `platform` ("cpu", "gpu", ...): CPU_STEP_OPTIONS on
     CPU, unless XLA_FLAGS sets one of them or this jaxlib doesn't know it (an unknown option fails every
     compile); nothing elsewhere. Recorded in run_info.json."""
     if platform != "cpu" or any(f"--{k}" in os.environ.get("XLA_FLAGS", "") for k in CPU_STEP_OPTIONS):

@@ -183,7 +183,7 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
 
 
 def _compiler_options(mesh: Mesh) -> dict:
-    """XLA options of the jitted steps on `mesh`'s platform (`xla_flags.step_compiler_options`)."""
+    """XLA options of the jitted train steps on `mesh`'s platform (`xla_flags.step_compiler_options`)."""
     return step_compiler_options(mesh.devices.flat[0].platform)
 
 
@@ -191,11 +191,11 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
     """(phase -> jitted train step, {prefix: jitted eval step}) for `mesh`: the MoE backend, the attention
     kernel and the layers' weights at use bound to it (`parallel.backends`), one train step per (context-parallel degree, capacity factors)
     of the context schedule (the transport's static buffer sizes and the chunk layout are baked into it),
-    all compiled with the platform's step options (`xla_flags.step_compiler_options`)."""
+    compiled with the platform's train-step options (`xla_flags.step_compiler_options`)."""
     m, t = cfg.model, cfg.train
     routed, kernel, weights = moe_backend(cfg.parallel, mesh), attention_kernel(mesh), layer_weights(mesh)
     batch_sh = batch_sharding(mesh)
-    jit = functools.partial(jax.jit, compiler_options=_compiler_options(mesh))
+    options = _compiler_options(mesh)
 
     @functools.cache
     def phase_step(context: int, cf_send: float, cf_recv: float):
@@ -203,15 +203,16 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
         fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=remat, offload=offload,
                              context=context, scan_layers=t.scan_layers, attention_kernel=kernel,
                              layer_weights=weights)
-        return jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
-                   out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
+        return jax.jit(fn, donate_argnums=0, in_shardings=(state_sh, batch_sh), compiler_options=options,
+                       out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
     eval_fns = {}
     if t.eval_batches:  # 0: no evaluation, so no eval step at all
-        eval_fns["eval/"] = jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
+        # XLA's defaults: YNNPACK's dots run the eval forward faster (xla_flags)
+        eval_fns["eval/"] = jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
         if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-            eval_fns["eval_dropless/"] = jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
-                                                            weights))
+            eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
+                                                                weights))
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 
