@@ -49,3 +49,26 @@ def subprocess_xla_flags() -> str:
     """conftest's XLA_FLAGS without the forced device count (a CLI subprocess forces as many host devices as
     its --mesh needs): the rest (-O0) keeps the subprocesses' compiles as fast as the in-process ones."""
     return without_forced_host_devices(os.environ.get("XLA_FLAGS", ""))
+
+
+def loop_steps(model, parallel, batch_size: int, seq_len: int):
+    """The train loop's own jitted steps (`loop.step_functions`, remat off, unrolled, Adam) for `model` on the
+    mesh of `parallel`: (cfg, state, a batch placed on the mesh, phase -> train step, {prefix: eval step})."""
+    from jax.sharding import NamedSharding
+
+    from moejax.parallel.mesh import BATCH_SPEC, make_mesh
+    from moejax.presets import TINY
+    from moejax.train.loop import step_functions
+    from moejax.train.optimizer import make_optimizer
+    from moejax.train.state import init_state
+
+    cfg = replace(TINY, model=model, parallel=parallel,
+                  train=replace(TINY.train, batch_size=batch_size, seq_len=seq_len, remat=False, scan_layers=False,
+                                optimizer="adam"))
+    mesh = make_mesh(cfg.parallel)
+    optimizer, lr_fns = make_optimizer(cfg)
+    state = init_state(cfg, optimizer, jax.random.key(0), mesh)
+    batch = jax.device_put(toy_batch(model, batch=batch_size, seq=seq_len), NamedSharding(mesh, BATCH_SPEC))
+    step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
+                                       None, remat=False)
+    return cfg, state, batch, step_fn, eval_fns

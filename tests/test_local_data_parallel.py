@@ -5,7 +5,6 @@ kernels (interpreted here) run per batch shard the same way."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import jax
 import jax.extend
@@ -21,11 +20,7 @@ from moejax.model.moe.layer import routed_local_with_stats
 from moejax.model.transformer import Transformer, model_loss
 from moejax.parallel.backends import attention_kernel, local_backend
 from moejax.parallel.mesh import BATCH_SPEC, REPLICATED, make_mesh
-from moejax.presets import TINY
-from moejax.train.loop import step_functions
-from moejax.train.optimizer import make_optimizer
-from moejax.train.state import init_state
-from tests.helpers import toy_batch, toy_model
+from tests.helpers import loop_steps, toy_batch, toy_model
 
 RTOL_FP32 = 1e-5
 ATOL_FP32 = 1e-5
@@ -148,15 +143,7 @@ def test_the_loops_steps_run_every_kernel_per_batch_shard(axes, monkeypatch):
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
     model = toy_model(n_layers=2, window=12)
-    cfg = replace(TINY, model=model, parallel=ParallelConfig(**axes),
-                  train=replace(TINY.train, batch_size=8, seq_len=32, remat=False, scan_layers=False,
-                                optimizer="adam"))
-    mesh = make_mesh(cfg.parallel)
-    optimizer, lr_fns = make_optimizer(cfg)
-    state = init_state(cfg, optimizer, jax.random.key(0), mesh)
-    batch = jax.device_put(toy_batch(model, batch=8, seq=32), NamedSharding(mesh, BATCH_SPEC))
-    step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
-                                       None, remat=False)
+    cfg, state, batch, step_fn, eval_fns = loop_steps(model, ParallelConfig(**axes), batch_size=8, seq_len=32)
     local = cfg.parallel.resolved_backend == "local"
     train = _pallas_calls(step_fn(cfg.phases[0]).trace(state, batch).jaxpr.jaxpr)  # top level: compiler_options
     assert train == {False: 0, True: model.n_layers * (3 + (9 if local else 0))}

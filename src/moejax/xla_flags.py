@@ -6,11 +6,11 @@ own mesh must not inherit its parent's.
 
 XLA:CPU hands dots and many elementwise and reduction fusions to YNNPACK by default. A MoE step is full of
 batched matmuls only 64-128 wide (grouped-GEMM blocks, Newton-Schulz stacks, attention heads), which YNNPACK
-runs at ~40% of the 1024^3 peak; XLA's own Eigen dots and fused loops run them 1.2-1.8x faster. The whole
-train step at issue 11's CPU shape: 1.18-1.23x, both compiled in one process (docs/LOG.md, 2026-12-02,
+runs at 20-45% of the 1024^3 peak; XLA's own Eigen dots and fused loops run them up to ~2x faster. The whole
+train step at issue 11's CPU shape: 1.18-1.20x, both compiled in one process (docs/LOG.md, 2026-12-02,
 eighth session); the tiny demo's step 1.04-1.12x. So train steps compile with YNNPACK fusions off on CPU,
-per executable (not process-wide, so nothing else changes), unless XLA_FLAGS names the option: the user's
-setting wins. Eval steps keep XLA's defaults: a forward pass is mostly the LM head's one large dot, which
+per executable (not process-wide, so nothing else changes), unless XLA_FLAGS names the option (the user's
+setting wins) or MOEJAX_XLA_DEFAULTS=1 asks for XLA's defaults. Eval steps keep XLA's defaults: a forward pass is mostly the LM head's one large dot, which
 YNNPACK runs faster (the tiny eval step measured 0.82-0.99x with the option).
 """
 
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 FORCED_HOST_DEVICES = "--xla_force_host_platform_device_count"
 YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
 CPU_STEP_OPTIONS = {YNN_FUSIONS: ""}  # an empty list of library fusion types: none
+XLA_DEFAULTS = "MOEJAX_XLA_DEFAULTS"  # =1: the train step compiles with XLA's defaults
 
 
 def without_forced_host_devices(xla_flags: str) -> str:
@@ -31,9 +33,11 @@ def without_forced_host_devices(xla_flags: str) -> str:
 
 def step_compiler_options(platform: str) -> dict:
     """`compiler_options` for a jitted train step on `platform` ("cpu", "gpu", ...): CPU_STEP_OPTIONS on
-    CPU, unless XLA_FLAGS sets one of them or this jaxlib doesn't know it (an unknown option fails every
-    compile); nothing elsewhere. Recorded in run_info.json."""
-    if platform != "cpu" or any(f"--{k}" in os.environ.get("XLA_FLAGS", "") for k in CPU_STEP_OPTIONS):
+    CPU, unless XLA_FLAGS sets one of them, MOEJAX_XLA_DEFAULTS=1, or this jaxlib doesn't know them (an
+    unknown option fails every compile: a warning, then none); nothing elsewhere. Recorded in run_info.json.
+    A jit with options can't be traced inside another jit or grad: the steps are called at top level."""
+    named = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+    if platform != "cpu" or os.environ.get(XLA_DEFAULTS) == "1" or any(f"--{k}" in named for k in CPU_STEP_OPTIONS):
         return {}
     return dict(CPU_STEP_OPTIONS) if _cpu_options_known() else {}
 
@@ -44,7 +48,12 @@ def _cpu_options_known() -> bool:
     import jax.numpy as jnp
 
     try:
-        jax.jit(lambda x: x + 1).lower(jnp.zeros(())).compile(compiler_options=CPU_STEP_OPTIONS)
-    except jax.errors.JaxRuntimeError:  # INVALID_ARGUMENT: No such compile option
+        x = jnp.zeros((), device=jax.devices("cpu")[0])
+        jax.jit(lambda x: x + 1).lower(x).compile(compiler_options=CPU_STEP_OPTIONS)
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" not in str(e) and "not a valid" not in str(e):
+            raise
+        warnings.warn(f"moejax: this jaxlib ({jax.__version__}) does not take {CPU_STEP_OPTIONS}: CPU train steps "
+                      f"compile with XLA's defaults ({str(e).splitlines()[0]})", stacklevel=2)
         return False
     return True

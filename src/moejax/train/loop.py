@@ -191,7 +191,8 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
     """(phase -> jitted train step, {prefix: jitted eval step}) for `mesh`: the MoE backend, the attention
     kernel and the layers' weights at use bound to it (`parallel.backends`), one train step per (context-parallel degree, capacity factors)
     of the context schedule (the transport's static buffer sizes and the chunk layout are baked into it),
-    compiled with the platform's train-step options (`xla_flags.step_compiler_options`)."""
+    compiled with the platform's train-step options (`xla_flags.step_compiler_options`; on CPU they can't be
+    traced inside another jit or grad, so call them at top level)."""
     m, t = cfg.model, cfg.train
     routed, kernel, weights = moe_backend(cfg.parallel, mesh), attention_kernel(mesh), layer_weights(mesh)
     batch_sh = batch_sharding(mesh)

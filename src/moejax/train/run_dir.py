@@ -225,6 +225,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
             "versions": {p: importlib.metadata.version(p) for p in LIBRARIES},
             "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
             "glibc_tunables": hostmem.tunables(),  # huge pages or not
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),  # with step_compiler_options: how XLA compiled the step
             "peak_flops": peak, "accounting": accounting.summary(cfg, param_count(cfg.model))}
 
 
