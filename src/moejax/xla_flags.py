@@ -10,8 +10,9 @@ runs at 20-45% of the 1024^3 peak; XLA's own Eigen dots and fused loops run them
 train step at issue 11's CPU shape: 1.18-1.20x, both compiled in one process (docs/LOG.md, 2026-12-02,
 eighth session); the tiny demo's step 1.04-1.12x. So train steps compile with YNNPACK fusions off on CPU,
 per executable (not process-wide, so nothing else changes), unless XLA_FLAGS names the option (the user's
-setting wins) or MOEJAX_XLA_DEFAULTS=1 asks for XLA's defaults. Eval steps keep XLA's defaults: a forward pass is mostly the LM head's one large dot, which
-YNNPACK runs faster (the tiny eval step measured 0.82-0.99x with the option).
+setting wins) or MOEJAX_XLA_DEFAULTS=1 asks for XLA's defaults. Eval steps keep XLA's defaults: a forward
+pass is mostly the LM head's one large dot, which YNNPACK runs faster (the tiny eval step measured
+0.82-0.99x with the option).
 """
 
 from __future__ import annotations
