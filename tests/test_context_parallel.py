@@ -110,15 +110,15 @@ def test_halo_is_a_collective_permute_not_a_gather():
 
 
 # ---- the micro context schedule: train through every phase change, CP up to 4, exact resume -------------
-MICRO_SCHEDULE = "0.375:1024:cf=2.0,0.75:2048"  # 128 -> 1024 (2 sequences, CP 2) -> 2048 (1 sequence, CP 4)
+MICRO_SCHEDULE = "0.375:512:cf=2.0,0.75:1024"  # 128 -> 512 (2 sequences, CP 2) -> 1024 (1 sequence, CP 4)
 
 
 def micro_cfg(**parallel):
-    """2048 tokens per step over 4 batch shards: 16 x 128 (steps 0-2), 2 x 1024 (CP 2, cf 2; steps 3-5),
-    1 x 2048 (CP 4; steps 6-7). Three phases, because each costs a compile (the suite's time budget): both
-    CP changes and a cf change. Adam and 2 layers keep each compile short; a permanent checkpoint at step 5
-    is the resume point."""
-    cfg = apply_overrides(preset("tiny"), ["model.n_layers=2", "model.attn_q_block=128", "train.batch_size=16",
+    """1024 tokens per step over 4 batch shards: 8 x 128 (steps 0-2), 2 x 512 (CP 2, cf 2; steps 3-5),
+    1 x 1024 (CP 4, chunks of 256; steps 6-7). Three phases, because each costs a compile (the suite's time
+    budget): both CP changes and a cf change. Adam and 2 layers keep each compile short; a permanent checkpoint
+    at step 5 is the resume point."""
+    cfg = apply_overrides(preset("tiny"), ["model.n_layers=2", "model.attn_q_block=128", "train.batch_size=8",
                                            "train.seq_len=128", "train.steps=8", "train.eval_every=0",
                                            "train.eval_batches=1", "train.eval_batch_size=4", "train.optimizer=adam",
                                            "train.checkpoint_every=5", f"data.context_schedule={MICRO_SCHEDULE}",
@@ -129,12 +129,12 @@ def micro_cfg(**parallel):
 def test_micro_schedule_trains_through_every_phase_and_resumes_exactly(tmp_path):
     cfg = micro_cfg()
     assert [(ph.seq_len, ph.sequences, ph.context, ph.cf_send) for ph in cfg.phases] == [
-        (128, 16, 1, 1.15), (1024, 2, 2, 2.0), (2048, 1, 4, 1.15)]
+        (128, 8, 1, 1.15), (512, 2, 2, 2.0), (1024, 1, 4, 1.15)]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(cfg, straight, OPTS)
     rows = lambda d: [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     a = rows(straight)
-    assert [r["data/seq_len"] for r in a] == [128] * 3 + [1024] * 3 + [2048] * 2
+    assert [r["data/seq_len"] for r in a] == [128] * 3 + [512] * 3 + [1024] * 2
     assert [r["data/context_parallel"] for r in a] == [1] * 3 + [2] * 3 + [4] * 2
     assert all(np.isfinite(r["train/loss"]) for r in a) and a[-1]["train/loss"] < a[0]["train/loss"]
     # Resume from the step-5 checkpoint (inside the CP-2, cf=2 phase) and cross into the CP-4 phase: the
@@ -152,8 +152,8 @@ def test_micro_schedule_trains_through_every_phase_and_resumes_exactly(tmp_path)
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.context=3"], "context-parallel degree 3 does not divide the sequence length 128"),
     (["parallel.context=8"], "context-parallel degree 8 does not divide the batch shards (replica_dcn*data*expert = 4)"),
-    (["data.context_schedule=0.75:2048:cp=2"],
-     "seq_len 2048 (from step 6): 1 sequences x context-parallel degree 2 = 2 rows is not divisible by the batch shards"),
+    (["data.context_schedule=0.75:1024:cp=2"],
+     "seq_len 1024 (from step 6): 1 sequences x context-parallel degree 2 = 2 rows is not divisible by the batch shards"),
     (["data.context_schedule=0.5:256:cf=0"], "cf (0.0) must be > 0"),
     (["data.context_schedule=0.5:256:cf=1:cf_send=2"], "cf_send is given twice"),
     (["data.context_schedule=0.5:256:ep=2"], "'ep=2' is not one of cf=, cf_send=, cf_recv=, cp="),
