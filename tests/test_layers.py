@@ -1,13 +1,15 @@
 """SConv (causal, document-local, identity at init), GatedNorm formula, router combine weights, loss, router
 metrics."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moejax.model.layers import Norm, init_conv, matmul_tokens, rms_norm, sconv
 from moejax.model.moe.router import route
-from moejax.model.transformer import lm_loss
+from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
 from moejax.train.step import moe_metrics
 
 FP32_ATOL = 1e-5
@@ -121,6 +123,33 @@ def test_loss_at_large_logit_scale_matches_fp32_oracle_and_streamed_path():
     np.testing.assert_allclose(v_b, v_oracle_b, rtol=1e-3)
 
 
+# The chunked LM head sums dh over vocab chunks in another order than one dot: fp32 rounding only.
+CHUNKED_HEAD_RTOL = 1e-5
+CHUNKED_HEAD_ATOL = 1e-6
+
+
+def test_chunked_lm_head_equals_one_dot_in_value_and_gradients():
+    """`vocab_chunk` (the CPU train step's LM head): same loss and (h, W) gradients as the single dot, with
+    a last chunk shorter than the others (50 = 3 x 16 + 2), in fp32 and with bf16 activations."""
+    h, head, t, mask = _loss_inputs(3.0)
+    for dt in (jnp.float32, jnp.bfloat16):
+        run = lambda chunk: jax.value_and_grad(lambda h, w: lm_loss(h.astype(dt), w, t, mask, 1e-4,
+                                                                    vocab_chunk=chunk)["loss"], argnums=(0, 1))(h, head)
+        (v_ref, g_ref), (v_c, g_c) = run(0), run(16)
+        np.testing.assert_allclose(v_c, v_ref, rtol=CHUNKED_HEAD_RTOL)
+        for a, b in zip(g_c, g_ref):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                       rtol=CHUNKED_HEAD_RTOL, atol=CHUNKED_HEAD_ATOL)
+
+
+def test_head_chunk_only_on_cpu_and_only_for_a_vocab_of_several_chunks():
+    assert head_chunk(MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK, on_cpu=True) == CPU_HEAD_CHUNK
+    assert head_chunk(MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK - 1, on_cpu=True) == 0
+    assert head_chunk(2048, on_cpu=True) == 0  # the tiny preset: one dot
+    assert head_chunk(128_256, on_cpu=False) == 0
+
+
 def test_router_metrics_per_layer_under_the_reference_names():
     """`moe_metrics`: routing entropy of the assignment counts (log E balanced, 0 collapsed) and capacity
     overflow per layer; their means; the overflow mean equals moe/drop_fraction (same tokens per layer)."""
@@ -137,3 +166,34 @@ def test_router_metrics_per_layer_under_the_reference_names():
     np.testing.assert_allclose(m["train/router/routing_entropy_mean"], np.log(4.0) / 2, rtol=FP32_RTOL)
     assert (m["train/router/layer_1/load_balancing_loss"], m["train/router/layer_1/router_z_loss"]) == (4.0, 1.5)
     assert m["train/router/token_entropy"] == 1.5  # ours: mean per-token router entropy
+
+
+
+def _step_jaxpr(monkeypatch, targeting_gpu: bool) -> str:
+    """The jaxpr of a one-layer train step (a vocab of MIN_HEAD_CHUNKS chunks) built on CPU, or built to
+    lower for a GPU."""
+    from dataclasses import replace
+
+    from moejax.model import kernel_choice
+    from moejax.presets import TINY
+    from moejax.train.optimizer import make_optimizer
+    from moejax.train.state import init_state
+    from moejax.train.step import make_train_step
+    from tests.helpers import toy_batch, toy_model
+
+    monkeypatch.setenv("MOEJAX_ATTENTION", "xla")  # kernels aside: only the head's choice differs
+    monkeypatch.setenv("MOEJAX_GROUPED", "xla")
+    model = toy_model(vocab_size=MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK, n_layers=1)
+    cfg = replace(TINY, model=model, train=replace(TINY.train, batch_size=1, seq_len=16))
+    optimizer, lr_fn = make_optimizer(cfg)
+    state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
+    batch = toy_batch(model, batch=1, seq=16, doc_lens=((16,),))
+    with kernel_choice.targeting_gpu() if targeting_gpu else contextlib.nullcontext():
+        step = make_train_step(model, optimizer, lr_fn, remat=False, scan_layers=False)
+    return str(jax.make_jaxpr(step)(state, batch))
+
+
+def test_train_step_runs_the_lm_head_in_vocab_chunks_on_cpu_only(monkeypatch):
+    """Built on CPU the step's LM head is `chunked_logits`; built to lower for a GPU, the one dot."""
+    assert "_chunked_logits" in _step_jaxpr(monkeypatch, targeting_gpu=False)
+    assert "_chunked_logits" not in _step_jaxpr(monkeypatch, targeting_gpu=True)

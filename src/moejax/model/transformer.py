@@ -10,10 +10,13 @@ Notable choices:
 - Loss: next-token cross-entropy with fp32 logits + z-loss 1e-4 * logsumexp^2, averaged over the
   positions whose target lies in the same document. With `loss_vocab_block > 0` the LM head is streamed
   over vocab blocks with an online logsumexp, so [T, V] fp32 logits never exist at once.
+- On CPU the train step's LM head runs as matmuls over 1,024-column vocab slices (`head_chunk`): the
+  same products, faster there; everywhere else one dot.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -75,6 +78,56 @@ def embed(params: Transformer, tokens: Int[Array, "B S"], cfg: ModelConfig) -> F
 def lm_logits(h: Float[Array, "... D"], lm_head: Float[Array, "D V"]) -> Float[Array, "... V"]:
     """fp32 logits of the (final-normed) hidden states."""
     return jnp.einsum("...d,dv->...v", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+# Vocab columns per matmul of `chunked_logits`, the LM head of the training step on CPU (`head_chunk`).
+# Measured on 2 CPU cores, issue 11's CPU shape ([4096, 256] @ [256, 8192], fp32), LM head + loss fwd+bwd
+# in one process: one dot 859 ms, chunks of 512 / 1,024 / 2,048 600 / 654 / 694 ms; the whole train step
+# 1.07-1.10x faster with 512-1,024 in three of four one-process A/Bs (docs/LOG.md 2026-12-02, tenth
+# session). XLA:CPU's Eigen dots run a [T, 256] x [256, V] product at ~60% of their peak in one piece and
+# near it in column slices. The tiny demo (V = 2,048, bf16) gained nothing from two chunks (0.95-1.02x).
+CPU_HEAD_CHUNK = 1024
+MIN_HEAD_CHUNKS = 4
+
+
+def head_chunk(vocab_size: int, on_cpu: bool) -> int:
+    """`lm_loss`'s vocab_chunk for a train step: CPU_HEAD_CHUNK on CPU when the vocab spans at least
+    MIN_HEAD_CHUNKS chunks, else 0. On a GPU one dot: its GEMM library takes it whole at its best, and
+    concatenating the chunks would cost a pass over the [T, V] logits there."""
+    return CPU_HEAD_CHUNK if on_cpu and vocab_size >= MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK else 0
+
+
+def chunked_logits(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"], chunk: int) -> Float[Array, "T V"]:
+    """`lm_logits` as one matmul per `chunk` vocab columns (the last may be shorter), forward and backward:
+    the logits and the weight gradient column slice by column slice, the input gradient summed over them.
+    Same products as one dot; only dh's summation order differs (fp32, per chunk)."""
+    return _chunked_logits(h_TD, lm_head.astype(h_TD.dtype), chunk)
+
+
+def _vocab_slices(v: int, chunk: int) -> list[slice]:
+    return [slice(i, min(i + chunk, v)) for i in range(0, v, chunk)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _chunked_logits(h_TD, w_DV, chunk: int):
+    return jnp.concatenate([jnp.dot(h_TD, w_DV[:, s], preferred_element_type=jnp.float32)
+                            for s in _vocab_slices(w_DV.shape[1], chunk)], axis=-1)
+
+
+def _chunked_logits_fwd(h_TD, w_DV, chunk):
+    return _chunked_logits(h_TD, w_DV, chunk), (h_TD, w_DV)
+
+
+def _chunked_logits_bwd(chunk, res, g_TV):
+    h_TD, w_DV = res
+    slices = _vocab_slices(w_DV.shape[1], chunk)
+    dh_TD = sum(jnp.dot(g_TV[:, s], w_DV[:, s].T.astype(jnp.float32)) for s in slices)
+    h32_DT = h_TD.T.astype(jnp.float32)
+    dw_DV = jnp.concatenate([jnp.dot(h32_DT, g_TV[:, s]) for s in slices], axis=-1)
+    return dh_TD.astype(h_TD.dtype), dw_DV.astype(w_DV.dtype)
+
+
+_chunked_logits.defvjp(_chunked_logits_fwd, _chunked_logits_bwd)
 
 
 LayerHook = Callable[[dict], dict]
@@ -146,15 +199,18 @@ def run_layers(body, x, blocks, global_layers: tuple[bool, ...], scan: bool):
 
 
 def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int[Array, "B S"],
-            loss_mask: Array, z_loss_weight: float, vocab_block: int = 0) -> dict[str, jax.Array]:
-    """Masked mean cross-entropy and z-loss over fp32 logits; `loss` = ce + z_loss_weight * mean(lse^2)."""
+            loss_mask: Array, z_loss_weight: float, vocab_block: int = 0, vocab_chunk: int = 0) -> dict[str, jax.Array]:
+    """Masked mean cross-entropy and z-loss over fp32 logits; `loss` = ce + z_loss_weight * mean(lse^2).
+    `vocab_block` > 0: streamed (`_streamed_lse`); else `vocab_chunk` > 0: the whole logits from
+    `chunked_logits` (a CPU speed choice, `head_chunk`)."""
     h_TD = h.reshape(-1, h.shape[-1])
     t_T = targets.reshape(-1)
     w_T = loss_mask.reshape(-1).astype(jnp.float32)
     if vocab_block and vocab_block < lm_head.shape[1]:
         lse, target_logit = _streamed_lse(h_TD, lm_head.astype(h.dtype), t_T, vocab_block)
     else:
-        logits = lm_logits(h_TD, lm_head)
+        logits = (chunked_logits(h_TD, lm_head, vocab_chunk) if 0 < vocab_chunk < lm_head.shape[1]
+                  else lm_logits(h_TD, lm_head))
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
     n = jnp.maximum(jnp.sum(w_T), 1.0)
@@ -192,11 +248,12 @@ def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
 def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
                layer_hook: LayerHook | None = None, remat: bool | str = True, context: int = 1,
                scan_layers: bool = True, attention_kernel: KernelFn = flash_kernel,
-               layer_weights: WeightsFn | None = None) -> tuple[jax.Array, dict]:
+               layer_weights: WeightsFn | None = None, vocab_chunk: int = 0) -> tuple[jax.Array, dict]:
     """Scalar training loss and everything worth logging (loss parts + per-layer MoE stats). `context`: rows
-    per sequence (context parallelism); the batch's targets and loss mask already cross chunk boundaries."""
+    per sequence (context parallelism); the batch's targets and loss mask already cross chunk boundaries.
+    `vocab_chunk`: `lm_loss`'s (the train step sets it by `head_chunk`)."""
     h, layer_stats = forward(params, batch["tokens"], batch["segment_ids"], batch["positions"], cfg, routed,
                              layer_hook, remat, context, scan_layers, attention_kernel, layer_weights)
     parts = lm_loss(h, params.lm_head, batch["targets"], batch["loss_mask"], cfg.z_loss_weight,
-                    cfg.loss_vocab_block)
+                    cfg.loss_vocab_block, vocab_chunk)
     return parts["loss"], {**parts, "layers": layer_stats}

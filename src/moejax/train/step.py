@@ -19,7 +19,7 @@ from moejax.model import kernel_choice
 from moejax.model.attention import KernelFn, flash_kernel
 from moejax.model.moe.layer import RoutedFn, routed_local_with_stats
 from moejax.model.moe.balance import qb_bias
-from moejax.model.transformer import Transformer, WeightsFn, drop_token_stats, model_loss
+from moejax.model.transformer import Transformer, WeightsFn, drop_token_stats, head_chunk, model_loss
 from moejax.train.state import Offload, TrainState, compute_copy, differentiated_copy
 
 
@@ -102,6 +102,9 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     now, when the step is built, not when jit traces it."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
     kernels = kernel_choice.current()
+    # On CPU the LM head's matmuls run in vocab chunks (`transformer.head_chunk`: ~1.1x the CPU step); a step
+    # built to lower for a GPU (`kernel_choice.targeting_gpu`) keeps the one dot.
+    vocab_chunk = head_chunk(cfg.vocab_size, jax.default_backend() == "cpu" and not kernels["on_gpu"])
 
     @kernel_choice.pinned(kernels)
     def train_step(state: TrainState, batch: dict):
@@ -111,7 +114,7 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
         # needed below.
         # The router bias in it is the QB bias computed at the previous step.
         loss_fn = lambda p: model_loss(p, batch, cfg, routed, layer_hook, remat, context, scan_layers,
-                                         attention_kernel, layer_weights)
+                                         attention_kernel, layer_weights, vocab_chunk)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(differentiated_copy(state.compute))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
