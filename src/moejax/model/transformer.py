@@ -10,8 +10,8 @@ Notable choices:
 - Loss: next-token cross-entropy with fp32 logits + z-loss 1e-4 * logsumexp^2, averaged over the
   positions whose target lies in the same document. With `loss_vocab_block > 0` the LM head is streamed
   over vocab blocks with an online logsumexp, so [T, V] fp32 logits never exist at once.
-- On CPU the train step's LM head runs as matmuls over 1,024-column vocab slices (`head_chunk`): the
-  same products, faster there; everywhere else one dot.
+- On CPU the train step's LM head runs as matmuls over 1,024-column vocab slices once the vocab has 4,096
+  or more (`head_chunk`): the same products, faster there; everywhere else one dot.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation, l
     now, when the step is built, not when jit traces it."""
     layer_hook = qb_hook(cfg) if cfg.qb else None
     kernels = kernel_choice.current()
-    # On CPU the LM head's matmuls run in vocab chunks (`transformer.head_chunk`: ~1.1x the CPU step); a step
-    # built to lower for a GPU (`kernel_choice.targeting_gpu`) keeps the one dot.
+    # On CPU the LM head's matmuls run in vocab chunks (`transformer.head_chunk`: 1.07-1.10x the CPU-shape
+    # step); a step built to lower for a GPU (`kernel_choice.targeting_gpu`) keeps the one dot.
     vocab_chunk = head_chunk(cfg.vocab_size, jax.default_backend() == "cpu" and not kernels["on_gpu"])
 
     @kernel_choice.pinned(kernels)
