@@ -2,15 +2,21 @@
 metrics."""
 
 import contextlib
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.model import kernel_choice
 from moejax.model.layers import Norm, init_conv, matmul_tokens, rms_norm, sconv
 from moejax.model.moe.router import route
 from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
-from moejax.train.step import moe_metrics
+from moejax.presets import TINY
+from moejax.train.optimizer import make_optimizer
+from moejax.train.state import init_state
+from moejax.train.step import make_train_step, moe_metrics
+from tests.helpers import toy_batch, toy_model
 
 FP32_ATOL = 1e-5
 FP32_RTOL = 1e-5
@@ -168,19 +174,9 @@ def test_router_metrics_per_layer_under_the_reference_names():
     assert m["train/router/token_entropy"] == 1.5  # ours: mean per-token router entropy
 
 
-
 def _step_jaxpr(monkeypatch, targeting_gpu: bool) -> str:
     """The jaxpr of a one-layer train step (a vocab of MIN_HEAD_CHUNKS chunks) built on CPU, or built to
     lower for a GPU."""
-    from dataclasses import replace
-
-    from moejax.model import kernel_choice
-    from moejax.presets import TINY
-    from moejax.train.optimizer import make_optimizer
-    from moejax.train.state import init_state
-    from moejax.train.step import make_train_step
-    from tests.helpers import toy_batch, toy_model
-
     monkeypatch.setenv("MOEJAX_ATTENTION", "xla")  # kernels aside: only the head's choice differs
     monkeypatch.setenv("MOEJAX_GROUPED", "xla")
     model = toy_model(vocab_size=MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK, n_layers=1)
