@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from moejax.model import attention as attn
-from moejax.model.attention import (Attention, attend_dense, attend_query_blocks, attend_window, attention,
-                                    attention_impl)
+from moejax.model.attention import (Attention, attend_band, attend_dense, attend_query_blocks, attend_window,
+                                    attend_xla, attention, attention_impl, band_applies)
 from moejax.model.flash_gpu import FlashBlocks, _key_block_range, _query_block_range, flash_attention
 from tests.helpers import toy_model
 
@@ -67,8 +67,28 @@ def test_query_block_path_equals_dense_global_gqa():
     _assert_same(got, want)
 
 
-def _layer_setup(seq=24):
-    cfg = toy_model(window=5, n_heads=4, n_kv_heads=2, n_kv_heads_global=1)
+@pytest.mark.parametrize("window", [3, 6])  # 8 / 4 blocks of the window; documents cross block boundaries
+def test_band_path_equals_dense(window):
+    q, k, v = _qkv(h=4, g=2)
+    want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, SEG, window, SCALE), 4), q, k, v)
+    got = _vjp_all(_per_head(lambda q, k, v: attend_band(q, k, v, SEG, window, SCALE), 4), q, k, v)
+    _assert_same(got, want)
+
+
+def test_whole_sequence_local_layers_take_the_band_where_it_pays():
+    """attn_q_block 0: local layers run `attend_band` when S is >= 4 whole windows, else (and on global
+    layers) the dense core; each gives the dense core's values."""
+    assert [band_applies(24, w) for w in (3, 6, 5, 8, None)] == [True, True, False, False, False]
+    q, k, v = _qkv(h=2, g=2)
+    for window, banded in ((6, True), (8, False), (None, False)):
+        with mock.patch.object(attn, "attend_band", wraps=attend_band) as band:
+            got = attend_xla(q, k, v, SEG, window, SCALE, 0)
+        assert band.called == banded, window
+        np.testing.assert_allclose(got, attend_dense(q, k, v, SEG, window, SCALE), rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+def _layer_setup(seq=24, window=5):
+    cfg = toy_model(window=window, n_heads=4, n_kv_heads=2, n_kv_heads_global=1)
     p = Attention.init(cfg, jax.random.key(0))
     p = Attention(**{**p.__dict__, "head_gate": 0.3 * jax.random.normal(jax.random.key(9), p.head_gate.shape)})
     x = jax.random.normal(jax.random.key(1), (B, seq, cfg.d_model))
@@ -81,11 +101,11 @@ def _layer_grads(cfg, p, x, pos, is_global):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(p, x)
 
 
-@pytest.mark.parametrize("is_global", [False, True])
-def test_layer_blockwise_equals_dense_all_weights(is_global):
+@pytest.mark.parametrize("is_global,window", [(False, 5), (True, 5), (False, 6)])
+def test_layer_blockwise_equals_dense_all_weights(is_global, window):
     """The whole layer (projections, RoPE, XSA, gate) with attn_q_block=4 vs 0: values and the gradient of
-    every attention weight and of x."""
-    cfg, p, x, pos = _layer_setup()
+    every attention weight and of x. Window 6: attn_q_block 0 runs the local layer as `attend_band`."""
+    cfg, p, x, pos = _layer_setup(window=window)
     v_d, g_d = _layer_grads(cfg, p, x, pos, is_global)
     v_b, g_b = _layer_grads(replace(cfg, attn_q_block=4), p, x, pos, is_global)
     np.testing.assert_allclose(v_b, v_d, rtol=RTOL_FP32)

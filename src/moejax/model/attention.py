@@ -21,7 +21,9 @@ Attention core, by `attention_impl()`:
   window, GQA; never [S, S]), run by the caller's `KernelFn`: `flash_kernel` on one device, or
   `parallel.backends.attention_kernel(mesh)`, the same kernel per batch shard under shard_map (a custom
   call left to GSPMD would run replicated). `MOEJAX_ATTENTION=xla|gpu_kernel` chooses explicitly.
-- 'xla': `attn_q_block = 0` is the dense reference ([S, S] scores). `attn_q_block > 0` (and S larger)
+- 'xla': `attn_q_block = 0` takes the whole sequence at once: `attend_dense` ([S, S] scores; the reference)
+  on global layers, and on local layers `attend_band` (blocks of `window` queries against their own and
+  the previous block's keys) once S spans at least 4 windows. `attn_q_block > 0` (and S larger)
   processes queries in blocks, each rematerialised: global layers score a block against all S keys
   ([B, H, Q, S] live); local layers dynamic_slice only keys [start - window + 1, end) of a front-padded
   K/V, so their FLOPs scale with S * (Q + window) instead of S^2.
@@ -49,6 +51,7 @@ from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_d
 
 XSA_EPS = 1e-6
 NEG_INF = -1e30
+BAND_MIN_WINDOWS = 4  # `band_applies`: S >= 4 windows, i.e. the band's 2 W S scores at most half of S^2
 
 # The kernel path's attention core: (q [B, S, H, Hd], k/v [B, Sk, G, Hd], segment_ids [B, Sk] (per key; the
 # queries are the last S keys), scale, window or None) -> [B, S, H, Hd] fp32. Bound to a mesh by
@@ -204,10 +207,42 @@ def attend_context(q, k, v, segment_ids, window: int | None, scale: float, qb: i
     return _softmax_av(q, k_ext, v_ext, mask, scale)
 
 
+def band_applies(seq: int, window: int | None) -> bool:
+    """Whether `attend_band` runs a local layer that asked for the whole sequence at once (attn_q_block 0):
+    S a whole number of windows and at least BAND_MIN_WINDOWS of them, so that it at most halves the
+    dense core's S^2 scores (at S = 2 * window they would be equal, and the blocking is overhead)."""
+    return window is not None and seq % window == 0 and seq >= BAND_MIN_WINDOWS * window
+
+
+def attend_band(q, k, v, segment_ids, window: int, scale: float):
+    """Local layers without a loop: queries in blocks of W = window rows, each against its own and the
+    previous block's keys ([B, n, 2W] keys, n = S / W). q - k < W never reaches further back, so the
+    masks are those of `attend_dense`; FLOPs 2 W S instead of S^2. Measured on 2 CPU cores, issue 11's CPU
+    shape (S 256, W 64), one process, alternated: one local layer's core fwd+bwd 42 vs 57 ms dense; the
+    whole train step (3 local layers of 4) 1.09-1.10x faster (docs/LOG.md 2026-12-02, eleventh session)."""
+    bsz, seq = segment_ids.shape
+    n = seq // window
+    blocks = lambda a: a.reshape(bsz, n, window, *a.shape[2:])
+    # Each block's keys: the previous block (segment id -1, matching nothing, before the first) and its own.
+    span = lambda a, fill: jnp.concatenate([jnp.concatenate([jnp.full_like(a[:, :1], fill), a[:, :-1]], 1), a], 2)
+    q_blk, seg_q = blocks(q), blocks(segment_ids)
+    k_span, v_span, seg_k = span(blocks(k), 0), span(blocks(v), 0), span(seg_q, -1)
+    diff = window + jnp.arange(window)[:, None] - jnp.arange(2 * window)[None, :]  # q - k inside a block pair
+    allowed = (diff >= 0) & (diff < window)
+    mask = allowed[None, None] & (seg_q[..., :, None] == seg_k[..., None, :])  # [B, n, W, 2W]
+    scores = jnp.einsum("bnqhd,bnkhd->bnhqk", q_blk, k_span, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, NEG_INF), axis=-1)
+    out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(q.dtype), v_span, preferred_element_type=jnp.float32)
+    return out.reshape(bsz, seq, *out.shape[3:])
+
+
 def attend_xla(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
-    """The XLA attention core, q/k/v [B, S, H, Hd]: dense if qb == 0 or qb >= S, else blockwise."""
+    """The XLA attention core, q/k/v [B, S, H, Hd]. qb == 0 or qb >= S: the whole sequence at once, local
+    layers in window blocks where `band_applies`, else dense; otherwise query blocks of qb rows."""
     seq = q.shape[1]
     if not qb or seq <= qb:
+        if band_applies(seq, window):
+            return attend_band(q, k, v, segment_ids, window, scale)
         return attend_dense(q, k, v, segment_ids, window, scale)
     if seq % qb:
         raise ValueError(f"sequence length ({seq}) is not divisible by attn_q_block ({qb})")
