@@ -2,7 +2,10 @@
 
 MFU = 3 x `accounting.fwd_flops_per_token` x tokens per step / step time / peak, where peak is the fp32
 matmul FLOP/s of device 0 measured in this same run (`perf.measure_matmul_peak`), so numbers from different
-(or busy) machines stay comparable. The tiny model computes in bf16; on CPU that is usually *slower* than
+(or busy) machines stay comparable. The peak is measured before the steps and again after every round of
+them, and MFU divides by the highest reading: on a shared machine one reading swings by 1.5x within a
+minute (118-175 GFLOP/s on 2 CPU cores, docs/LOG.md 2026-12-02), and a peak caught in a slow moment would
+inflate MFU. The tiny model computes in bf16; on CPU that is usually *slower* than
 fp32, so MFU against the fp32 peak is the honest figure there. Step times are the median of `--steps` timed
 steps after `--warmup` untimed ones (compile excluded), each blocked on; batches are prepared beforehand,
 so data loading is not timed. The knob's two settings (`--compare`: `remat` by default, or `scan_layers`,
@@ -67,14 +70,15 @@ def time_interleaved(cfg, knob: str, batches: list[dict], warmup: int) -> dict:
     with_knob = lambda v: dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{knob: v}))
     runs = {v: compiled_step(with_knob(v), batches[0]) for v in (False, True)}
     states = {v: r[1] for v, r in runs.items()}
-    times, losses = {False: [], True: []}, {}
+    times, losses, peaks = {False: [], True: []}, {}, []
     for i, batch in enumerate(batches[1:], start=1):
         for v in (False, True) if i % 2 else (True, False):
             t0 = time.perf_counter()
             states[v], metrics = jax.block_until_ready(runs[v][0](states[v], batch))
             times[v].append(time.perf_counter() - t0)
             losses[v] = float(metrics["train/loss"])
-    return {v: (times[v][warmup - 1:], runs[v][2], losses[v]) for v in (False, True)}
+        peaks.append(measure_matmul_peak(repeats=3))
+    return {v: (times[v][warmup - 1:], runs[v][2], losses[v]) for v in (False, True)}, peaks
 
 
 def main() -> None:
@@ -98,7 +102,7 @@ def main() -> None:
     with make_data(cfg) as data:
         batches = [jax.device_put(data.train.batch(i)) for i in range(args.warmup + args.steps)]
 
-    peak = measure_matmul_peak()
+    first_peak = measure_matmul_peak()
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
     flops_per_step = 3.0 * fwd * t.tokens_per_step
 
@@ -109,14 +113,17 @@ def main() -> None:
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
     print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r} (moejax.hostmem)")
     print(f"step compiler options: {step_compiler_options(jax.default_backend())} (moejax.xla_flags)")
-    print(f"measured fp32 matmul peak (1024^3, best of 5): {peak / 1e9:.1f} GFLOP/s")
     print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps; "
-          f"remat {t.remat}, scan_layers {t.scan_layers} unless compared\n")
+          f"remat {t.remat}, scan_layers {t.scan_layers} unless compared")
 
+    results, peaks = time_interleaved(cfg, args.compare, batches, args.warmup)
+    peak = max(first_peak, *peaks)
+    print(f"fp32 matmul peak (1024^3): {peak / 1e9:.1f} GFLOP/s, the highest of {len(peaks) + 1} readings "
+          f"(before the steps and after each round; lowest {min(first_peak, *peaks) / 1e9:.1f})\n")
     print(f"| {args.compare} | compile + 1st step (s) | step time (ms, median) | min / max (ms) | tokens/s | MFU | last loss |")
     print("|---|---|---|---|---|---|---|")
     medians = {}
-    for v, (times, first, loss) in time_interleaved(cfg, args.compare, batches, args.warmup).items():
+    for v, (times, first, loss) in results.items():
         med = medians[v] = float(np.median(times))
         print(f"| {'on' if v else 'off'} | {first:.1f} | {1e3 * med:.1f} | {1e3 * min(times):.1f} / "
               f"{1e3 * max(times):.1f} | {t.tokens_per_step / med:,.0f} | {100 * flops_per_step / med / peak:.2f}% | "
