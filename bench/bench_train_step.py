@@ -63,10 +63,10 @@ def compiled_step(cfg, batch: dict):
     return step_fn, state, time.perf_counter() - t0
 
 
-def time_interleaved(cfg, knob: str, batches: list[dict], warmup: int) -> dict:
-    """Per setting of the train config's boolean `knob`: (timed step seconds, compile seconds, last loss). The
-    two settings alternate step by step, so load from other processes on a shared machine hits both alike
-    instead of biasing the ratio."""
+def time_interleaved(cfg, knob: str, batches: list[dict], warmup: int) -> tuple[dict, list[float]]:
+    """Per setting of the train config's boolean `knob`: (timed step seconds, compile seconds, last loss); and
+    the matmul peak (FLOP/s) read after each round of steps. The two settings alternate step by step, so load
+    from other processes on a shared machine hits both alike instead of biasing the ratio."""
     with_knob = lambda v: dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **{knob: v}))
     runs = {v: compiled_step(with_knob(v), batches[0]) for v in (False, True)}
     states = {v: r[1] for v, r in runs.items()}
@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--compare", choices=("remat", "scan_layers"), default="remat",
                     help="the train-config knob timed off and on")
     args = ap.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        ap.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be >= 1: the first step compiles")
 
     cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
                                                               seq_len=args.seq_len))

@@ -1,4 +1,5 @@
-"""The fast attention paths against the dense [S, S] reference (`attend_dense`, attn_q_block = 0):
+"""The fast attention paths against the dense [S, S] reference (`attend_dense`; attn_q_block = 0 on global
+layers and on local layers `attend_band` does not take):
 the XLA blockwise/windowed path and the GPU flash kernel (Pallas interpret mode on CPU), values and
 gradients; plus a FLOPs guard that local layers skip key blocks outside the window."""
 
@@ -67,11 +68,17 @@ def test_query_block_path_equals_dense_global_gqa():
     _assert_same(got, want)
 
 
-@pytest.mark.parametrize("window", [3, 6])  # 8 / 4 blocks of the window; documents cross block boundaries
-def test_band_path_equals_dense(window):
+# A row that starts with padding (segment 0): the first block's missing previous block (segment id -1) must
+# match nothing, not the padding.
+SEG_PAD_FIRST = SEG.at[1, :4].set(0)
+
+
+@pytest.mark.parametrize("window,seg", [(3, SEG), (6, SEG), (3, SEG_PAD_FIRST)], ids=["w3", "w6", "w3-pad-first"])
+def test_band_path_equals_dense(window, seg):
+    """8 / 4 blocks of the window; documents cross block boundaries."""
     q, k, v = _qkv(h=4, g=2)
-    want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, SEG, window, SCALE), 4), q, k, v)
-    got = _vjp_all(_per_head(lambda q, k, v: attend_band(q, k, v, SEG, window, SCALE), 4), q, k, v)
+    want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, seg, window, SCALE), 4), q, k, v)
+    got = _vjp_all(_per_head(lambda q, k, v: attend_band(q, k, v, seg, window, SCALE), 4), q, k, v)
     _assert_same(got, want)
 
 
@@ -104,7 +111,8 @@ def _layer_grads(cfg, p, x, pos, is_global):
 @pytest.mark.parametrize("is_global,window", [(False, 5), (True, 5), (False, 6)])
 def test_layer_blockwise_equals_dense_all_weights(is_global, window):
     """The whole layer (projections, RoPE, XSA, gate) with attn_q_block=4 vs 0: values and the gradient of
-    every attention weight and of x. Window 6: attn_q_block 0 runs the local layer as `attend_band`."""
+    every attention weight and of x. Window 6: attn_q_block 0 runs the local layer as `attend_band`, so the
+    comparison is band vs window path (each is tied to the dense core above)."""
     cfg, p, x, pos = _layer_setup(window=window)
     v_d, g_d = _layer_grads(cfg, p, x, pos, is_global)
     v_b, g_b = _layer_grads(replace(cfg, attn_q_block=4), p, x, pos, is_global)

@@ -23,7 +23,7 @@ Attention core, by `attention_impl()`:
   call left to GSPMD would run replicated). `MOEJAX_ATTENTION=xla|gpu_kernel` chooses explicitly.
 - 'xla': `attn_q_block = 0` takes the whole sequence at once: `attend_dense` ([S, S] scores; the reference)
   on global layers, and on local layers `attend_band` (blocks of `window` queries against their own and
-  the previous block's keys) once S spans at least 4 windows. `attn_q_block > 0` (and S larger)
+  the previous block's keys) once S is a multiple of the window and >= 4 windows. `attn_q_block > 0` (and S larger)
   processes queries in blocks, each rematerialised: global layers score a block against all S keys
   ([B, H, Q, S] live); local layers dynamic_slice only keys [start - window + 1, end) of a front-padded
   K/V, so their FLOPs scale with S * (Q + window) instead of S^2.
@@ -209,7 +209,7 @@ def attend_context(q, k, v, segment_ids, window: int | None, scale: float, qb: i
 
 def band_applies(seq: int, window: int | None) -> bool:
     """Whether `attend_band` runs a local layer that asked for the whole sequence at once (attn_q_block 0):
-    S a whole number of windows and at least BAND_MIN_WINDOWS of them, so that it at most halves the
+    S a whole number of windows and at least BAND_MIN_WINDOWS of them, so that it at least halves the
     dense core's S^2 scores (at S = 2 * window they would be equal, and the blocking is overhead)."""
     return window is not None and seq % window == 0 and seq >= BAND_MIN_WINDOWS * window
 
