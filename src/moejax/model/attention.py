@@ -221,19 +221,16 @@ def attend_band(q, k, v, segment_ids, window: int, scale: float):
     shape (S 256, W 64), one process, alternated: one local layer's core fwd+bwd 42 vs 57 ms dense; the
     whole train step (3 local layers of 4) 1.09-1.10x faster (docs/LOG.md 2026-12-02, eleventh session)."""
     bsz, seq = segment_ids.shape
-    n = seq // window
-    blocks = lambda a: a.reshape(bsz, n, window, *a.shape[2:])
+    rows = bsz * seq // window  # (row, block) pairs, each one batch row of the dense core
+    blocks = lambda a: a.reshape(bsz, seq // window, window, *a.shape[2:])
     # Each block's keys: the previous block (segment id -1, matching nothing, before the first) and its own.
-    span = lambda a, fill: jnp.concatenate([jnp.concatenate([jnp.full_like(a[:, :1], fill), a[:, :-1]], 1), a], 2)
-    q_blk, seg_q = blocks(q), blocks(segment_ids)
-    k_span, v_span, seg_k = span(blocks(k), 0), span(blocks(v), 0), span(seg_q, -1)
-    diff = window + jnp.arange(window)[:, None] - jnp.arange(2 * window)[None, :]  # q - k inside a block pair
-    allowed = (diff >= 0) & (diff < window)
-    mask = allowed[None, None] & (seg_q[..., :, None] == seg_k[..., None, :])  # [B, n, W, 2W]
-    scores = jnp.einsum("bnqhd,bnkhd->bnhqk", q_blk, k_span, preferred_element_type=jnp.float32) * scale
-    probs = jax.nn.softmax(jnp.where(mask[:, :, None], scores, NEG_INF), axis=-1)
-    out = jnp.einsum("bnhqk,bnkhd->bnqhd", probs.astype(q.dtype), v_span, preferred_element_type=jnp.float32)
-    return out.reshape(bsz, seq, *out.shape[3:])
+    span = lambda a, fill: jnp.concatenate([jnp.pad(a[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (a.ndim - 2),
+                                                    constant_values=fill), a], axis=2).reshape(rows, 2 * window, *a.shape[3:])
+    seg_q = blocks(segment_ids)
+    mask = block_mask(seg_q.reshape(rows, window), span(seg_q, -1), window + jnp.arange(window),
+                      jnp.arange(2 * window), window)
+    out = _softmax_av(q.reshape(rows, window, *q.shape[2:]), span(blocks(k), 0), span(blocks(v), 0), mask, scale)
+    return out.reshape(bsz, seq, *out.shape[2:])
 
 
 def attend_xla(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
