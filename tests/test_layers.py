@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model import kernel_choice
-from moejax.model.layers import Norm, init_conv, matmul_tokens, rms_norm, sconv
+from moejax.model.layers import Norm, init_conv, matmul_tokens, rms_norm, sconv, shared_swiglu, swiglu
 from moejax.model.moe.router import route
 from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
 from moejax.presets import TINY
@@ -147,6 +147,31 @@ def test_chunked_lm_head_equals_one_dot_in_value_and_gradients():
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                        rtol=CHUNKED_HEAD_RTOL, atol=CHUNKED_HEAD_ATOL)
+
+
+# One U*F-wide dot sums over the U shared experts inside its accumulation, the loop adds U outputs: fp32
+# rounding only.
+SHARED_RTOL = 1e-5
+SHARED_ATOL = 1e-6
+
+
+def test_shared_experts_as_one_wide_swiglu_equal_the_sum_of_each():
+    """`shared_swiglu` (the MoE layer's shared experts): the same output and (x, gate, up, down) gradients as
+    U separate SwiGLUs added up, for U = 1, 2, 3 and an odd width."""
+    rng = np.random.default_rng(3)
+    for n_exp in (1, 2, 3):
+        x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
+        ws = [jnp.asarray(rng.normal(size=shape) / 3, jnp.float32) for shape in
+              [(n_exp, 8, 7), (n_exp, 8, 7), (n_exp, 7, 8)]]
+        loop = lambda x, g, u, d: sum(swiglu(x, g[i], u[i], d[i]) for i in range(n_exp))
+        probe = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)  # a loss whose gradient isn't all ones
+        run = lambda f: jax.value_and_grad(lambda *a: jnp.sum(f(*a) * probe), argnums=(0, 1, 2, 3))(x, *ws)
+        (v_ref, g_ref), (v, g) = run(loop), run(shared_swiglu)
+        np.testing.assert_allclose(shared_swiglu(x, *ws), loop(x, *ws), rtol=SHARED_RTOL, atol=SHARED_ATOL)
+        np.testing.assert_allclose(v, v_ref, rtol=SHARED_RTOL)
+        for a, b in zip(g, g_ref):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(a, b, rtol=SHARED_RTOL, atol=SHARED_ATOL)
 
 
 def test_head_chunk_only_on_cpu_and_only_for_a_vocab_of_several_chunks():

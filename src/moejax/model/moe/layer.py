@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moejax.config import ModelConfig
-from moejax.model.layers import init_conv, matmul_tokens, pytree_dataclass, rms_norm, sconv, swiglu, trunc_normal
+from moejax.model.layers import init_conv, matmul_tokens, pytree_dataclass, rms_norm, sconv, shared_swiglu, trunc_normal
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.router import route, router_stats
 
@@ -100,8 +100,8 @@ def moe_mix(p: MoE, m: Float[Array, "B S D"], segment_ids: Int[Array, "B S"], cf
     y_TZ, drops = routed(z_TZ, r.expert_TK, r.weight_TK, mask_T, p.w_gate.astype(dt), p.w_up.astype(dt),
                          p.w_down.astype(dt))
     y_TD = matmul_tokens(y_TZ.astype(dt), p.lat_up.astype(dt))
-    for u in range(cfg.n_shared):
-        y_TD = y_TD + swiglu(m_TD, p.shared_gate[u].astype(dt), p.shared_up[u].astype(dt), p.shared_down[u].astype(dt))
+    if cfg.n_shared:
+        y_TD = y_TD + shared_swiglu(m_TD, p.shared_gate.astype(dt), p.shared_up.astype(dt), p.shared_down.astype(dt))
     stats = {**router_stats(r, mask_T), **drops._asdict(),  # margins and mask feed QB (layer hook), then are dropped
              "margins": r.logits_TE - r.threshold_T[:, None], "token_mask": mask_T}
     return y_TD.reshape(bsz, seq, d), stats
