@@ -18,9 +18,12 @@ fusions off unless XLA_FLAGS sets them), also printed.
 
 `--cpu-shape` swaps in issue 11's CPU shape (d256, 4 layers, 4 heads x 64, 32 experts top-4, expert and
 latent width 128, vocab 8,192, seq 256, batch 16, fp32; the rest as the tiny preset, e.g. 2 shared experts).
+`--optimizer adam` times the step with plain optax Adam instead of the preset's hero optimizer (SPEC §4): the
+like-for-like figure next to a PyTorch stack trained with AdamW. Hero's Newton-Schulz iterations on every
+matrix are optimizer work, not model FLOPs, so they lower MFU without counting in it (docs/LOG.md).
 
 Usage: python bench/bench_train_step.py [--steps 10] [--warmup 2] [--batch-size 16] [--seq-len 128] [--cpu-shape]
-                                      [--compare remat|scan_layers]
+                                      [--compare remat|scan_layers] [--optimizer hero|adam]
 """
 
 from __future__ import annotations
@@ -91,12 +94,14 @@ def main() -> None:
     ap.add_argument("--cpu-shape", action="store_true", help="issue 11's CPU shape instead of the tiny preset")
     ap.add_argument("--compare", choices=("remat", "scan_layers"), default="remat",
                     help="the train-config knob timed off and on")
+    ap.add_argument("--optimizer", choices=("hero", "adam"), default=TINY.train.optimizer,
+                    help="train.optimizer for both settings (hero: the preset's, SPEC §4; adam: plain optax Adam)")
     args = ap.parse_args()
     if args.warmup < 1 or args.steps < 1:
         ap.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be >= 1: the first step compiles")
 
     cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
-                                                              seq_len=args.seq_len))
+                                                              seq_len=args.seq_len, optimizer=args.optimizer))
     if args.cpu_shape:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **CPU_SHAPE_MODEL),
                                   train=dataclasses.replace(cfg.train, batch_size=16, seq_len=256))
@@ -111,7 +116,7 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))")
     print(f"{'issue-11 CPU shape' if args.cpu_shape else 'tiny preset'}: {m.n_layers} layers, d_model {m.d_model}, "
           f"{m.n_experts} experts top-{m.top_k}, "
-          f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}")
+          f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}, optimizer {t.optimizer}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
     print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r} (moejax.hostmem)")
     print(f"step compiler options: {step_compiler_options(jax.default_backend())} (moejax.xla_flags)")
