@@ -135,10 +135,15 @@ CHUNKED_HEAD_ATOL = 1e-6
 
 
 def test_chunked_lm_head_equals_one_dot_in_value_and_gradients():
-    """`vocab_chunk` (the CPU train step's LM head): same loss and (h, W) gradients as the single dot, with
-    a last chunk shorter than the others (50 = 3 x 16 + 2), in fp32 and with bf16 activations."""
-    h, head, t, mask = _loss_inputs(3.0)
+    """`vocab_chunk` (the CPU train step's LM head): same loss parts and (h, W) gradients as the single dot,
+    with a last chunk shorter than the others (50 = 3 x 16 + 2) and targets on every chunk's first and
+    last column, in fp32 and with bf16 activations."""
+    h, head, _, mask = _loss_inputs(3.0)
+    t = jnp.asarray([[0, 15, 16, 31, 32, 47, 48, 49, 7, 20, 40, 49]])  # T = 12
     for dt in (jnp.float32, jnp.bfloat16):
+        parts = lambda chunk: lm_loss(h.astype(dt), head, t, mask, 1e-4, vocab_chunk=chunk)
+        for name in ("loss", "cross_entropy_loss", "z_loss"):
+            np.testing.assert_allclose(parts(16)[name], parts(0)[name], rtol=CHUNKED_HEAD_RTOL)
         run = lambda chunk: jax.value_and_grad(lambda h, w: lm_loss(h.astype(dt), w, t, mask, 1e-4,
                                                                     vocab_chunk=chunk)["loss"], argnums=(0, 1))(h, head)
         (v_ref, g_ref), (v_c, g_c) = run(0), run(16)
@@ -215,6 +220,9 @@ def _step_jaxpr(monkeypatch, targeting_gpu: bool) -> str:
 
 
 def test_train_step_runs_the_lm_head_in_vocab_chunks_on_cpu_only(monkeypatch):
-    """Built on CPU the step's LM head is `chunked_logits`; built to lower for a GPU, the one dot."""
-    assert "_chunked_logits" in _step_jaxpr(monkeypatch, targeting_gpu=False)
-    assert "_chunked_logits" not in _step_jaxpr(monkeypatch, targeting_gpu=True)
+    """Built on CPU the step's LM head is `chunked_lse` (logits in [T, CPU_HEAD_CHUNK] pieces, never the
+    whole [T, V]); built to lower for a GPU, the one dot."""
+    tokens, vocab = 16, MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK  # _step_jaxpr's batch and vocab
+    on_cpu, on_gpu = (_step_jaxpr(monkeypatch, targeting_gpu=g) for g in (False, True))
+    assert f"f32[{tokens},{CPU_HEAD_CHUNK}]" in on_cpu and f"f32[{tokens},{vocab}]" not in on_cpu
+    assert f"f32[{tokens},{CPU_HEAD_CHUNK}]" not in on_gpu and f"f32[{tokens},{vocab}]" in on_gpu

@@ -80,7 +80,7 @@ def lm_logits(h: Float[Array, "... D"], lm_head: Float[Array, "D V"]) -> Float[A
     return jnp.einsum("...d,dv->...v", h, lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-# Vocab columns per matmul of `chunked_logits`, the LM head of the training step on CPU (`head_chunk`).
+# Vocab columns per matmul of `chunked_lse`, the LM head of the training step on CPU (`head_chunk`).
 # Measured on 2 CPU cores, issue 11's CPU shape ([4096, 256] @ [256, 8192], fp32), LM head + loss fwd+bwd
 # in one process: one dot 859 ms, chunks of 512 / 1,024 / 2,048 600 / 654 / 694 ms; the whole train step
 # 1.07-1.10x faster with 512-1,024 in three of four one-process A/Bs (docs/LOG.md 2026-12-02, tenth
@@ -92,42 +92,61 @@ MIN_HEAD_CHUNKS = 4
 
 def head_chunk(vocab_size: int, on_cpu: bool) -> int:
     """`lm_loss`'s vocab_chunk for a train step: CPU_HEAD_CHUNK on CPU when the vocab spans at least
-    MIN_HEAD_CHUNKS chunks, else 0. On a GPU one dot: its GEMM library takes it whole at its best, and
-    concatenating the chunks would cost a pass over the [T, V] logits there."""
+    MIN_HEAD_CHUNKS chunks, else 0. On a GPU one dot: its GEMM library takes it whole at its best."""
     return CPU_HEAD_CHUNK if on_cpu and vocab_size >= MIN_HEAD_CHUNKS * CPU_HEAD_CHUNK else 0
 
 
-def chunked_logits(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"], chunk: int) -> Float[Array, "T V"]:
-    """`lm_logits` as one matmul per `chunk` vocab columns (the last may be shorter), forward and backward:
-    the logits and the weight gradient column slice by column slice, the input gradient summed over them.
-    Same products as one dot; only dh's summation order differs (fp32, per chunk)."""
-    return _chunked_logits(h_TD, lm_head.astype(h_TD.dtype), chunk)
+def chunked_lse(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"], t_T: Int[Array, "T"],
+                chunk: int) -> tuple[Float[Array, "T"], Float[Array, "T"]]:
+    """(logsumexp, target logit) of the fp32 logits `lm_logits` would give, from one matmul per `chunk`
+    vocab columns (the last may be shorter), forward and backward, never joining the chunks into one
+    [T, V] array: at issue 11's CPU shape that join alone was a 128 MB copy taking ~60 ms of the step, and
+    slicing its gradient apart again ~18 ms; without them the step ran 1.022-1.032x faster (docs/LOG.md,
+    2026-12-03). Backward: per chunk, the softmax gradient and its two dots;
+    dh is summed over the chunks (fp32), so only its summation order differs from one dot."""
+    return _chunked_lse(h_TD, lm_head.astype(h_TD.dtype), t_T, chunk)
 
 
 def _vocab_slices(v: int, chunk: int) -> list[slice]:
     return [slice(i, min(i + chunk, v)) for i in range(0, v, chunk)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _chunked_logits(h_TD, w_DV, chunk: int):
-    return jnp.concatenate([jnp.dot(h_TD, w_DV[:, s], preferred_element_type=jnp.float32)
-                            for s in _vocab_slices(w_DV.shape[1], chunk)], axis=-1)
+def _chunk_target(logits_TC: Float[Array, "T C"], t_T: Int[Array, "T"], start: int) -> Float[Array, "T"]:
+    """The logit of each row's target where it falls in this chunk of columns (from `start`), else 0."""
+    idx_T = t_T - start
+    inside_T = (idx_T >= 0) & (idx_T < logits_TC.shape[1])
+    picked_T = jnp.take_along_axis(logits_TC, jnp.clip(idx_T, 0, logits_TC.shape[1] - 1)[:, None], axis=1)[:, 0]
+    return jnp.where(inside_T, picked_T, 0.0)
 
 
-def _chunked_logits_fwd(h_TD, w_DV, chunk):
-    return _chunked_logits(h_TD, w_DV, chunk), (h_TD, w_DV)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_lse(h_TD, w_DV, t_T, chunk: int):
+    return _chunked_lse_fwd(h_TD, w_DV, t_T, chunk)[0]
 
 
-def _chunked_logits_bwd(chunk, res, g_TV):
-    h_TD, w_DV = res
+def _chunked_lse_fwd(h_TD, w_DV, t_T, chunk):
     slices = _vocab_slices(w_DV.shape[1], chunk)
-    dh_TD = sum(jnp.dot(g_TV[:, s], w_DV[:, s].T.astype(jnp.float32)) for s in slices)
+    logits = [jnp.dot(h_TD, w_DV[:, s], preferred_element_type=jnp.float32) for s in slices]
+    max_T = functools.reduce(jnp.maximum, [jnp.max(l_TC, axis=-1) for l_TC in logits])
+    lse_T = max_T + jnp.log(sum(jnp.sum(jnp.exp(l_TC - max_T[:, None]), axis=-1) for l_TC in logits))
+    target_T = sum(_chunk_target(l_TC, t_T, s.start) for l_TC, s in zip(logits, slices))
+    return (lse_T, target_T), (h_TD, w_DV, t_T, logits, lse_T)
+
+
+def _chunked_lse_bwd(chunk, res, cotangents):
+    h_TD, w_DV, t_T, logits, lse_T = res
+    dlse_T, dtarget_T = cotangents
     h32_DT = h_TD.T.astype(jnp.float32)
-    dw_DV = jnp.concatenate([jnp.dot(h32_DT, g_TV[:, s]) for s in slices], axis=-1)
-    return dh_TD.astype(h_TD.dtype), dw_DV.astype(w_DV.dtype)
+    dh_TD, dw_chunks = 0.0, []
+    for l_TC, s in zip(logits, _vocab_slices(w_DV.shape[1], chunk)):
+        hit_TC = jnp.arange(s.start, s.stop)[None, :] == t_T[:, None]
+        g_TC = jnp.exp(l_TC - lse_T[:, None]) * dlse_T[:, None] + jnp.where(hit_TC, dtarget_T[:, None], 0.0)
+        dh_TD = dh_TD + jnp.dot(g_TC, w_DV[:, s].T.astype(jnp.float32))
+        dw_chunks.append(jnp.dot(h32_DT, g_TC))
+    return dh_TD.astype(h_TD.dtype), jnp.concatenate(dw_chunks, axis=-1).astype(w_DV.dtype), None
 
 
-_chunked_logits.defvjp(_chunked_logits_fwd, _chunked_logits_bwd)
+_chunked_lse.defvjp(_chunked_lse_fwd, _chunked_lse_bwd)
 
 
 LayerHook = Callable[[dict], dict]
@@ -201,16 +220,17 @@ def run_layers(body, x, blocks, global_layers: tuple[bool, ...], scan: bool):
 def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int[Array, "B S"],
             loss_mask: Array, z_loss_weight: float, vocab_block: int = 0, vocab_chunk: int = 0) -> dict[str, jax.Array]:
     """Masked mean cross-entropy and z-loss over fp32 logits; `loss` = ce + z_loss_weight * mean(lse^2).
-    `vocab_block` > 0: streamed (`_streamed_lse`); else `vocab_chunk` > 0: the whole logits from
-    `chunked_logits` (a CPU speed choice, `head_chunk`)."""
+    `vocab_block` > 0: streamed (`_streamed_lse`); else `vocab_chunk` > 0: `chunked_lse`, the logits in
+    column chunks that are never joined (a CPU speed choice, `head_chunk`)."""
     h_TD = h.reshape(-1, h.shape[-1])
     t_T = targets.reshape(-1)
     w_T = loss_mask.reshape(-1).astype(jnp.float32)
     if vocab_block and vocab_block < lm_head.shape[1]:
         lse, target_logit = _streamed_lse(h_TD, lm_head.astype(h.dtype), t_T, vocab_block)
+    elif 0 < vocab_chunk < lm_head.shape[1]:
+        lse, target_logit = chunked_lse(h_TD, lm_head, t_T, vocab_chunk)
     else:
-        logits = (chunked_logits(h_TD, lm_head, vocab_chunk) if 0 < vocab_chunk < lm_head.shape[1]
-                  else lm_logits(h_TD, lm_head))
+        logits = lm_logits(h_TD, lm_head)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
     n = jnp.maximum(jnp.sum(w_T), 1.0)
