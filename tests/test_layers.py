@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model import kernel_choice
-from moejax.model.layers import Norm, init_conv, matmul_tokens, rms_norm, sconv, shared_swiglu, swiglu
+from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, scale_channels, sconv, shared_swiglu,
+                                 swiglu)
 from moejax.model.moe.router import route
 from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
 from moejax.presets import TINY
@@ -35,6 +36,55 @@ def test_sconv_matches_naive_and_respects_documents():
                 if t - j >= 0 and seg[b, t - j] == seg[b, t]:
                     want[b, t] += taps[j] * x[b, t - j]
     np.testing.assert_allclose(got, want, atol=FP32_ATOL)
+
+
+# scale_channels sums its weight gradient over tokens as a dot with ones, autodiff as a reduce: fp32 order.
+CHANNEL_SUM_RTOL = 1e-5
+CHANNEL_SUM_ATOL = 1e-5
+
+
+def test_scale_channels_equals_the_broadcast_product_in_value_and_gradients():
+    """`scale_channels` (norm gains, SConv taps): x * w and its (x, w) gradients as autodiff gives them for
+    the plain product, fp32 and bf16 activations (the weight stays fp32; its gradient is an fp32 sum)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 50, 7)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(7,)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(3, 50, 7)), jnp.float32)
+    for dt in (jnp.float32, jnp.bfloat16):
+        run = lambda f: jax.value_and_grad(lambda x, w: jnp.sum(f(x.astype(dt), w).astype(jnp.float32) * probe),
+                                           argnums=(0, 1))(x, w)
+        (v_ref, (dx_ref, dw_ref)), (v, (dx, dw)) = run(lambda x, w: x * w.astype(x.dtype)), run(scale_channels)
+        assert dw.dtype == jnp.float32 and dx.dtype == jnp.float32
+        np.testing.assert_allclose(v, v_ref, rtol=CHANNEL_SUM_RTOL)
+        np.testing.assert_allclose(dx, dx_ref, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
+        # the bf16 reference rounds each g * x to bf16; ours stays fp32: both against the fp32 sum of the
+        # bf16 operands (g is the bf16 cotangent of the bf16 output)
+        as_dt = lambda a: a.astype(dt).astype(jnp.float32)
+        dw_f32 = jnp.einsum("bsc,bsc->c", as_dt(probe), as_dt(x))
+        np.testing.assert_allclose(dw, dw_f32, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
+        if dt == jnp.float32:  # in bf16 autodiff's own gradient is a bf16 sum, ~1% off the fp32 one
+            np.testing.assert_allclose(dw, dw_ref, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
+
+
+def test_sconv_tap_gradients_match_the_naive_conv():
+    """SConv's taps and input gradients (through `scale_channels`) equal autodiff of a plain-product conv."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2, 9, 3)), jnp.float32)
+    taps = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1] * 9])
+    probe = jnp.asarray(rng.normal(size=(2, 9, 3)), jnp.float32)
+
+    def naive(x, taps):
+        y = x * taps[0]
+        for j in range(1, 4):
+            shifted = jnp.pad(x, ((0, 0), (j, 0), (0, 0)))[:, :9]
+            same = (jnp.pad(seg, ((0, 0), (j, 0)), constant_values=-1)[:, :9] == seg)[..., None]
+            y = y + jnp.where(same, shifted, 0) * taps[j]
+        return y
+
+    grads = lambda f: jax.grad(lambda x, t: jnp.sum(f(x, t) * probe), argnums=(0, 1))(x, taps)
+    for a, b in zip(grads(lambda x, t: sconv(x, t, seg)), grads(naive)):
+        np.testing.assert_allclose(a, b, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
 
 
 def test_sconv_identity_at_init_and_causal():
