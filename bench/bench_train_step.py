@@ -116,7 +116,8 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))")
     print(f"{'issue-11 CPU shape' if args.cpu_shape else 'tiny preset'}: {m.n_layers} layers, d_model {m.d_model}, "
           f"{m.n_experts} experts top-{m.top_k}, "
-          f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}, optimizer {t.optimizer}")
+          f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}, "
+          f"optimizer {t.optimizer}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
     print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r} (moejax.hostmem)")
     print(f"step compiler options: {step_compiler_options(jax.default_backend())} (moejax.xla_flags)")

@@ -45,8 +45,9 @@ def scale_channels(x: Float[Array, "... C"], w: Float[Array, "C"]) -> Float[Arra
     """x * w, one weight per channel (norm gains, SConv taps), with the weight gradient sum_tokens g * x
     taken as a [1, N] @ [N, C] product with ones. XLA CPU runs that column sum over the token axes as a
     two-stage reduce-window at ~1/4 the speed of an elementwise pass; as a dot it costs about one pass. On 2
-    CPU cores, fp32, [16, 256, 256]: SConv fwd+bwd 5.1 -> 2.3 ms, RMSNorm 2.4 -> 1.3 ms (docs/LOG.md,
-    2026-12-03; the train step 1.011-1.019x). Products and sum are fp32 (HIGHEST: no TF32 on GPUs), also for bf16 activations."""
+    CPU cores, fp32, [16, 256, 256]: SConv fwd+bwd 5.1 -> 2.3 ms, RMSNorm 2.4 -> 1.3 ms; the train step
+    1.011-1.019x (docs/LOG.md, 2026-12-03). Products and sum are fp32, also for bf16 activations (autodiff
+    would sum bf16 products in bf16), and HIGHEST precision keeps GPUs off TF32."""
     return x * w.astype(x.dtype)
 
 
@@ -171,7 +172,8 @@ def shared_swiglu(x: Float[Array, "... D"], w_gate_UDF: Float[Array, "U D F"], w
                   w_down_UFD: Float[Array, "U F D"]) -> Float[Array, "... D"]:
     """The sum of U SwiGLU experts as one SwiGLU U*F wide: the gates side by side form a D x U*F gate, and
     sum_u h_u W_u = [h_1 .. h_U] [W_1; ..; W_U]. Two D-by-U*F dots and one U*F-by-D dot instead of 3U
-    narrow ones: at issue 11's CPU shape the whole train step ran 1.011x faster (docs/LOG.md, 2026-12-03). The parameters keep their [U, ...] shape: MuonH orthogonalises each expert's matrices."""
+    narrow ones: at issue 11's CPU shape the whole train step ran 1.011x faster (docs/LOG.md, 2026-12-03).
+    The parameters keep their [U, ...] shape: MuonH orthogonalises each expert's matrices on their own."""
     n_exp, d, f = w_gate_UDF.shape
     side_by_side = lambda w_UDF: jnp.moveaxis(w_UDF, 0, 1).reshape(d, n_exp * f)
     return swiglu(x, side_by_side(w_gate_UDF), side_by_side(w_up_UDF), w_down_UFD.reshape(n_exp * f, d))

@@ -102,8 +102,8 @@ def chunked_lse(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"], t_T: In
     vocab columns (the last may be shorter), forward and backward, never joining the chunks into one
     [T, V] array: at issue 11's CPU shape that join alone was a 128 MB copy taking ~60 ms of the step, and
     slicing its gradient apart again ~18 ms; without them the step ran 1.022-1.032x faster (docs/LOG.md,
-    2026-12-03). Backward: per chunk, the softmax gradient and its two dots;
-    dh is summed over the chunks (fp32), so only its summation order differs from one dot."""
+    2026-12-03). Backward: per chunk, the softmax gradient and its two dots; dh is summed over the chunks
+    (fp32), so only its summation order differs from one dot. Targets must lie in [0, V)."""
     return _chunked_lse(h_TD, lm_head.astype(h_TD.dtype), t_T, chunk)
 
 
