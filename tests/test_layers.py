@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model import kernel_choice
-from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, scale_channels, sconv, shared_swiglu,
-                                 swiglu)
+from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, rms_normalize, scale_channels, sconv,
+                                 shared_swiglu, swiglu)
 from moejax.model.moe.router import route
 from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
 from moejax.presets import TINY
@@ -54,7 +54,6 @@ def test_scale_channels_equals_the_broadcast_product_in_value_and_gradients():
         run = lambda f: jax.value_and_grad(lambda x, w: jnp.sum(f(x.astype(dt), w).astype(jnp.float32) * probe),
                                            argnums=(0, 1))(x, w)
         (v_ref, (dx_ref, dw_ref)), (v, (dx, dw)) = run(lambda x, w: x * w.astype(x.dtype)), run(scale_channels)
-        assert dw.dtype == jnp.float32 and dx.dtype == jnp.float32
         np.testing.assert_allclose(v, v_ref, rtol=CHANNEL_SUM_RTOL)
         np.testing.assert_allclose(dx, dx_ref, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
         # the bf16 reference rounds each g * x to bf16; ours stays fp32: both against the fp32 sum of the
@@ -205,9 +204,11 @@ def test_chunked_lm_head_equals_one_dot_in_value_and_gradients():
 
 
 # One U*F-wide dot sums over the U shared experts inside its accumulation, the loop adds U outputs: fp32
-# rounding only.
+# rounding only; in bf16 the loop also rounds each expert's output to bf16 before adding.
 SHARED_RTOL = 1e-5
 SHARED_ATOL = 1e-6
+SHARED_BF16_RTOL = 2e-2
+SHARED_BF16_ATOL = 2e-2
 
 
 def test_shared_experts_as_one_wide_swiglu_equal_the_sum_of_each():
@@ -227,6 +228,52 @@ def test_shared_experts_as_one_wide_swiglu_equal_the_sum_of_each():
         for a, b in zip(g, g_ref):
             assert a.shape == b.shape
             np.testing.assert_allclose(a, b, rtol=SHARED_RTOL, atol=SHARED_ATOL)
+
+
+def test_shared_experts_in_bf16_match_the_sum_of_each_to_bf16_rounding():
+    """The tiny preset computes in bf16: `shared_swiglu` there against the per-expert loop in bf16 and both
+    against the fp32 sum."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=shape) / 4, jnp.float32) for shape in [(2, 16, 8), (2, 16, 8), (2, 8, 16)]]
+    loop = lambda x, g, u, d: sum(swiglu(x, g[i], u[i], d[i]) for i in range(2))
+    bf = lambda a: a.astype(jnp.bfloat16)
+    want = loop(x, *ws)
+    got = shared_swiglu(bf(x), *map(bf, ws))
+    assert got.dtype == jnp.bfloat16
+    for out in (got, loop(bf(x), *map(bf, ws))):
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=SHARED_BF16_RTOL, atol=SHARED_BF16_ATOL)
+
+
+def test_rms_norm_gain_gradient_equals_the_plain_product():
+    """`rms_norm` takes its gain through `scale_channels`: the same value and (x, gain) gradients as the
+    normalised input times the gain under autodiff."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(3, 10, 16)), jnp.float32)
+    gain = jnp.asarray(rng.normal(size=(16,)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(3, 10, 16)), jnp.float32)
+    plain = lambda x, g: rms_normalize(x, 1e-6) * g
+    run = lambda f: jax.value_and_grad(lambda x, g: jnp.sum(f(x, g) * probe), argnums=(0, 1))(x, gain)
+    (v_ref, g_ref), (v, g) = run(plain), run(lambda x, g: rms_norm(x, g, 1e-6))
+    np.testing.assert_allclose(v, v_ref, rtol=CHANNEL_SUM_RTOL)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
+
+
+def test_scale_channels_sums_plainly_when_lowering_for_a_gpu():
+    """Built to lower for a GPU, `scale_channels`' weight gradient is a plain fp32 sum (XLA:GPU fuses it
+    with the product), not the CPU's ones-GEMV, and it gives the same values."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=(2, 30, 6)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6,)), jnp.float32)
+    grad = lambda: jax.grad(lambda x, w: jnp.sum(jnp.sin(scale_channels(x, w))), argnums=(0, 1))
+    on_cpu = grad()(x, w)
+    with kernel_choice.targeting_gpu():
+        jaxpr_gpu = str(jax.make_jaxpr(grad())(x, w))
+        on_gpu = jax.jit(grad())(x, w)
+    assert "dot_general" in str(jax.make_jaxpr(grad())(x, w)) and "dot_general" not in jaxpr_gpu
+    for a, b in zip(on_gpu, on_cpu):
+        np.testing.assert_allclose(a, b, rtol=CHANNEL_SUM_RTOL, atol=CHANNEL_SUM_ATOL)
 
 
 def test_head_chunk_only_on_cpu_and_only_for_a_vocab_of_several_chunks():

@@ -36,6 +36,12 @@ def _on_gpu() -> bool:
     return _targeting_gpu.get() or jax.default_backend() == "gpu"
 
 
+def lowering_for_gpu() -> bool:
+    """Whether what is traced now lowers for a GPU: a GPU backend, `targeting_gpu`, or as `pinned`. For
+    plain-XLA choices that depend on the compiler (`layers.scale_channels`), not only the kernels."""
+    return _on_gpu()
+
+
 def kernel_impl(env_var: str, what: str) -> str:
     """'gpu_kernel' or 'xla' for the op `what` (named in errors), by the rule above (or as `pinned`)."""
     pin = _pinned.get()

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from moejax.model import kernel_choice
+
 
 def pytree_dataclass(cls):
     """A frozen dataclass registered as a pytree (all fields are children)."""
@@ -42,12 +44,13 @@ def rms_norm(x: Float[Array, "... D"], gain: Float[Array, "D"], eps: float) -> F
 
 @jax.custom_vjp
 def scale_channels(x: Float[Array, "... C"], w: Float[Array, "C"]) -> Float[Array, "... C"]:
-    """x * w, one weight per channel (norm gains, SConv taps), with the weight gradient sum_tokens g * x
-    taken as a [1, N] @ [N, C] product with ones. XLA CPU runs that column sum over the token axes as a
-    two-stage reduce-window at ~1/4 the speed of an elementwise pass; as a dot it costs about one pass. On 2
-    CPU cores, fp32, [16, 256, 256]: SConv fwd+bwd 5.1 -> 2.3 ms, RMSNorm 2.4 -> 1.3 ms; the train step
-    1.011-1.019x (docs/LOG.md, 2026-12-03). Products and sum are fp32, also for bf16 activations (autodiff
-    would sum bf16 products in bf16), and HIGHEST precision keeps GPUs off TF32."""
+    """x * w, one weight per channel (norm gains, SConv taps), with the weight gradient sum_tokens g * x in
+    fp32, also for bf16 activations (autodiff would sum bf16 products in bf16). Off GPU that column sum is
+    a [1, N] @ [N, C] product with ones: XLA CPU runs the sum over the token axes as a two-stage
+    reduce-window at ~1/4 the speed of an elementwise pass, the dot costs about one pass. On 2 CPU cores,
+    fp32, [16, 256, 256]: SConv fwd+bwd 5.1 -> 2.3 ms, RMSNorm 2.4 -> 1.3 ms; the train step 1.011-1.019x
+    (docs/LOG.md, 2026-12-03). On GPUs (`kernel_choice.lowering_for_gpu`) a plain sum, which XLA fuses
+    with the product into one kernel; the dot would write and re-read the [N, C] products."""
     return x * w.astype(x.dtype)
 
 
@@ -58,8 +61,11 @@ def _scale_channels_fwd(x, w):
 def _scale_channels_bwd(res, g):
     x, w = res
     gx_NC = (g.astype(jnp.float32) * x.astype(jnp.float32)).reshape(-1, x.shape[-1])
-    ones_1N = jnp.ones((1, gx_NC.shape[0]), jnp.float32)
-    dw_C = jnp.dot(ones_1N, gx_NC, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)[0]
+    if kernel_choice.lowering_for_gpu():
+        dw_C = jnp.sum(gx_NC, axis=0)
+    else:
+        ones_1N = jnp.ones((1, gx_NC.shape[0]), jnp.float32)
+        dw_C = jnp.dot(ones_1N, gx_NC, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)[0]
     return g * w.astype(g.dtype), dw_C.astype(w.dtype)
 
 
@@ -173,7 +179,8 @@ def shared_swiglu(x: Float[Array, "... D"], w_gate_UDF: Float[Array, "U D F"], w
     """The sum of U SwiGLU experts as one SwiGLU U*F wide: the gates side by side form a D x U*F gate, and
     sum_u h_u W_u = [h_1 .. h_U] [W_1; ..; W_U]. Two D-by-U*F dots and one U*F-by-D dot instead of 3U
     narrow ones: at issue 11's CPU shape the whole train step ran 1.011x faster (docs/LOG.md, 2026-12-03).
-    The parameters keep their [U, ...] shape: MuonH orthogonalises each expert's matrices on their own."""
+    The parameters keep their [U, ...] shape: MuonH orthogonalises each expert's matrices on their own.
+    (Laying the U gates side by side moves no data between devices unless Fs itself is sharded.)"""
     n_exp, d, f = w_gate_UDF.shape
     side_by_side = lambda w_UDF: jnp.moveaxis(w_UDF, 0, 1).reshape(d, n_exp * f)
     return swiglu(x, side_by_side(w_gate_UDF), side_by_side(w_up_UDF), w_down_UFD.reshape(n_exp * f, d))

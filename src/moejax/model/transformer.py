@@ -84,7 +84,7 @@ def lm_logits(h: Float[Array, "... D"], lm_head: Float[Array, "D V"]) -> Float[A
 # Measured on 2 CPU cores, issue 11's CPU shape ([4096, 256] @ [256, 8192], fp32), LM head + loss fwd+bwd
 # in one process: one dot 859 ms, chunks of 512 / 1,024 / 2,048 600 / 654 / 694 ms; the whole train step
 # 1.07-1.10x faster with 512-1,024 in three of four one-process A/Bs (docs/LOG.md 2026-12-02, tenth
-# session). XLA:CPU's Eigen dots run a [T, 256] x [256, V] product at ~60% of their peak in one piece and
+# session; measured when the chunks were still joined into [T, V], before `chunked_lse`). XLA:CPU's Eigen dots run a [T, 256] x [256, V] product at ~60% of their peak in one piece and
 # near it in column slices. The tiny demo (V = 2,048, bf16) gained nothing from two chunks (0.95-1.02x).
 CPU_HEAD_CHUNK = 1024
 MIN_HEAD_CHUNKS = 4
@@ -104,6 +104,8 @@ def chunked_lse(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"], t_T: In
     slicing its gradient apart again ~18 ms; without them the step ran 1.022-1.032x faster (docs/LOG.md,
     2026-12-03). Backward: per chunk, the softmax gradient and its two dots; dh is summed over the chunks
     (fp32), so only its summation order differs from one dot. Targets must lie in [0, V)."""
+    if chunk < 1:
+        raise ValueError(f"chunked_lse needs a positive chunk of vocab columns, got {chunk}")
     return _chunked_lse(h_TD, lm_head.astype(h_TD.dtype), t_T, chunk)
 
 
@@ -220,8 +222,9 @@ def run_layers(body, x, blocks, global_layers: tuple[bool, ...], scan: bool):
 def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int[Array, "B S"],
             loss_mask: Array, z_loss_weight: float, vocab_block: int = 0, vocab_chunk: int = 0) -> dict[str, jax.Array]:
     """Masked mean cross-entropy and z-loss over fp32 logits; `loss` = ce + z_loss_weight * mean(lse^2).
-    `vocab_block` > 0: streamed (`_streamed_lse`); else `vocab_chunk` > 0: `chunked_lse`, the logits in
-    column chunks that are never joined (a CPU speed choice, `head_chunk`)."""
+    `vocab_block` > 0: streamed (`_streamed_lse`: a scan that recomputes each block's logits in the
+    backward, for memory); else `vocab_chunk` > 0: `chunked_lse`, which keeps its column chunks of logits
+    for the backward, never joined (for speed on CPU, `head_chunk`); else one dot."""
     h_TD = h.reshape(-1, h.shape[-1])
     t_T = targets.reshape(-1)
     w_T = loss_mask.reshape(-1).astype(jnp.float32)
