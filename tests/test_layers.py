@@ -10,7 +10,7 @@ import numpy as np
 
 from moejax.model import kernel_choice
 from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, rms_normalize, scale_channels, sconv,
-                                 shared_swiglu, swiglu)
+                                 shared_swiglu, swiglu, swiglu_act)
 from moejax.model.moe.router import route
 from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
 from moejax.presets import TINY
@@ -228,6 +228,31 @@ def test_shared_experts_as_one_wide_swiglu_equal_the_sum_of_each():
         for a, b in zip(g, g_ref):
             assert a.shape == b.shape
             np.testing.assert_allclose(a, b, rtol=SHARED_RTOL, atol=SHARED_ATOL)
+
+
+# swiglu_act's backward is the closed form of silu's derivative in fp32, autodiff's the chain rule.
+ACT_RTOL = 1e-5
+ACT_ATOL = 1e-6
+ACT_BF16_RTOL = 1e-2  # both cast their fp32 result to bf16; autodiff rounds between its steps too
+ACT_BF16_ATOL = 1e-2
+
+
+def test_swiglu_activation_equals_autodiff_of_silu_times_up():
+    """`swiglu_act` (every expert MLP): silu(g) * u and its (g, u) gradients as autodiff gives them, over
+    large negative and positive gates, in fp32 and bf16."""
+    rng = np.random.default_rng(9)
+    g = jnp.asarray(np.concatenate([rng.normal(size=(4, 8)) * 3, np.full((1, 8), -30.0), np.full((1, 8), 30.0)]),
+                    jnp.float32)
+    u = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
+    for dt, rtol, atol in ((jnp.float32, ACT_RTOL, ACT_ATOL), (jnp.bfloat16, ACT_BF16_RTOL, ACT_BF16_ATOL)):
+        run = lambda f: jax.value_and_grad(lambda g, u: jnp.sum(f(g.astype(dt), u.astype(dt)).astype(jnp.float32)
+                                                                * probe), argnums=(0, 1))(g, u)
+        (v_ref, g_ref), (v, grads) = run(lambda g, u: jax.nn.silu(g) * u), run(swiglu_act)
+        np.testing.assert_allclose(v, v_ref, rtol=rtol)
+        for a, b in zip(grads, g_ref):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
 
 
 def test_shared_experts_in_bf16_match_the_sum_of_each_to_bf16_rounding():

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from moejax.model.layers import swiglu_act
 from moejax.model.moe.grouped import from_blocks, make_layout, swiglu_blocks, to_blocks
 
 
@@ -23,7 +24,7 @@ def expert_mlp_batched(x_ERZ: Float[Array, "E R Z"], w_gate_EZF, w_up_EZF, w_dow
     """SwiGLU per expert on a capacity buffer: W2 (silu(x Wg) * (x Wu))."""
     gate_ERF = jnp.einsum("erz,ezf->erf", x_ERZ, w_gate_EZF)
     up_ERF = jnp.einsum("erz,ezf->erf", x_ERZ, w_up_EZF)
-    return jnp.einsum("erf,efz->erz", jax.nn.silu(gate_ERF) * up_ERF, w_down_EFZ)
+    return jnp.einsum("erf,efz->erz", swiglu_act(gate_ERF, up_ERF), w_down_EFZ)
 
 
 def routed_local(z_TZ: Float[Array, "T Z"], expert_TK: Int[Array, "T K"], weight_TK: Float[Array, "T K"],

@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int
 from moejax.config import ConfigError
 from moejax.model import kernel_choice
 from moejax.model.kernel_choice import GROUPED, kernel_impl
-from moejax.model.layers import pytree_dataclass
+from moejax.model.layers import pytree_dataclass, swiglu_act
 from moejax.model.moe import grouped_gpu
 
 # Rows per block, the largest the default picks. Measured on 2 CPU cores, fp32, fwd+bwd of one grouped GEMM
@@ -199,7 +199,7 @@ def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZ
                   w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"]) -> Float[Array, "Bk b Z"]:
     """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero."""
     mm = lambda x, w: block_matmul(x, w, layout.expert_Bk, layout.blocks_E)
-    h_BkbF = jax.nn.silu(mm(x_BkbZ, w_gate_EZF)) * mm(x_BkbZ, w_up_EZF)
+    h_BkbF = swiglu_act(mm(x_BkbZ, w_gate_EZF), mm(x_BkbZ, w_up_EZF))
     return mm(h_BkbF, w_down_EFZ)
 
 
