@@ -1,11 +1,11 @@
 """The dropless local MoE path equals the dense reference (values and gradients)."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from dataclasses import replace
 
 from moejax.model.layers import swiglu
 from moejax.model.moe.experts import routed_local
@@ -48,7 +48,6 @@ def test_local_equals_reference_values_and_grads(skew):
         np.testing.assert_allclose(a, b, rtol=FP32_RTOL, atol=FP32_ATOL)
     y = routed_local(z, ids, w, mask, wg, wu, wd)
     assert np.all(np.asarray(y[40:]) == 0.0), "padding tokens must get no routed output"
-
 
 
 def test_moe_layer_adds_each_shared_expert_and_runs_without_any():

@@ -29,17 +29,13 @@ _targeting_gpu = contextvars.ContextVar("moejax_targeting_gpu", default=False)  
 _pinned = contextvars.ContextVar("moejax_pinned_kernels", default=None)  # set by `pinned`
 
 
-def _on_gpu() -> bool:
+def lowering_for_gpu() -> bool:
+    """Whether what is traced now lowers for a GPU: a GPU backend, `targeting_gpu`, or as `pinned`. Picks
+    the kernels, and plain-XLA choices that depend on the compiler (`layers.scale_channels`)."""
     pin = _pinned.get()
     if pin is not None:
         return pin["on_gpu"]
     return _targeting_gpu.get() or jax.default_backend() == "gpu"
-
-
-def lowering_for_gpu() -> bool:
-    """Whether what is traced now lowers for a GPU: a GPU backend, `targeting_gpu`, or as `pinned`. For
-    plain-XLA choices that depend on the compiler (`layers.scale_channels`), not only the kernels."""
-    return _on_gpu()
 
 
 def kernel_impl(env_var: str, what: str) -> str:
@@ -52,7 +48,7 @@ def kernel_impl(env_var: str, what: str) -> str:
         raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS} (the {what} implementation)")
     if chosen:
         return chosen
-    return "gpu_kernel" if _on_gpu() else "xla"
+    return "gpu_kernel" if lowering_for_gpu() else "xla"
 
 
 @contextlib.contextmanager
@@ -74,7 +70,7 @@ def targeting_gpu():
 
 def current() -> dict:
     """Every op's implementation, and whether kernels lower for a GPU, as of now: what a builder pins."""
-    return {"impl": {op[0]: kernel_impl(*op) for op in KERNEL_OPS}, "on_gpu": _on_gpu()}
+    return {"impl": {op[0]: kernel_impl(*op) for op in KERNEL_OPS}, "on_gpu": lowering_for_gpu()}
 
 
 def pinned(choices: dict):
@@ -102,7 +98,7 @@ def chosen(env_var: str, impl: str):
 def run_interpreted() -> bool:
     """Whether a chosen GPU kernel runs through the Pallas interpreter: off GPU (CPU tests, or a user who
     sets gpu_kernel on CPU: same values, slowly), unless `targeting_gpu`."""
-    return not _on_gpu()
+    return not lowering_for_gpu()
 
 
 # Every op with a GPU kernel: (environment variable, what the error calls it).
