@@ -1,6 +1,10 @@
 """MFU's peak is the whole job's: per device on accelerators, per process on CPU (issue 11 item 4)."""
 
+import sys
+from pathlib import Path
+
 import jax
+import jax.numpy as jnp
 
 from moejax.perf import job_peak
 
@@ -15,3 +19,22 @@ def test_cpu_peak_counts_processes_not_forced_host_devices():
 def test_measured_peak_is_positive_and_labelled():
     p = job_peak()
     assert p["peak_flops"] > 1e8 and p["peak_source"].startswith("measured: float32 matmul")
+
+
+def _costly_line(x, w):
+    return jnp.tanh(x @ w).sum()
+
+
+def test_profile_attribution_names_the_source_line():
+    """bench/profile_step.py charges each compiled op to the Python line that emitted it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import profile_step
+    finally:
+        sys.path.pop(0)
+    x = jnp.ones((8, 16), jnp.float32)
+    hlo = jax.jit(_costly_line).lower(x, x.T).compile().as_text()
+    frames, ops = profile_step.source_frames(hlo)
+    line = _costly_line.__code__.co_firstlineno + 1
+    dots = [n for n, op in ops.items() if op.endswith("dot_general")]
+    assert dots and all(frames[n][0] == f"_costly_line:{line}" for n in dots)

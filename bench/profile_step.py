@@ -1,0 +1,137 @@
+"""Where the train step's device time goes, by source line (not a test).
+
+Traces `--steps` calls of the jitted train step with `jax.profiler` and adds up each XLA op's time under the
+innermost frames of Python source that emitted it, read from the stack frames the compiled HLO carries
+(FileNames/FunctionNames/FileLocations/StackFrames). A fusion is charged to the frame of its root op. XLA
+kind names ("dot_general", "multiply_add_fusion") alone don't say which layer a cost belongs to; this does.
+Ops without a frame (a few wrapped reductions and copies) are listed as "(no frame)".
+
+The step is built as `bench_train_step.py` builds it (same shapes, XLA options, huge pages first). Times are
+the traced ops' own durations summed over both CPU threads; on a busy machine they move like any timing, so
+compare lines within one run.
+
+Usage: python bench/profile_step.py [--cpu-shape] [--optimizer hero|adam] [--steps 3] [--depth 1] [--top 30]
+                                    [--trace-dir /tmp/moejax-profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import re
+import shutil
+
+import jax
+
+from bench_train_step import CPU_SHAPE_MODEL, compiled_step
+from moejax import hostmem
+from moejax.data.pipeline import make_data
+from moejax.presets import TINY
+
+BENCH_FRAMES = ("profile_step.py", "bench_train_step.py")  # this script's own frames: not a cost's owner
+
+
+def _section(lines: list[str], name: str) -> dict[int, str]:
+    """The numbered lines under a section header of the HLO text ("1 {...}" up to the first other line)."""
+    out, start = {}, lines.index(name) + 1
+    for line in lines[start:]:
+        m = re.match(r"(\d+) (.*)", line)
+        if not m:
+            break
+        out[int(m.group(1))] = m.group(2)
+    return out
+
+
+def source_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Per HLO instruction: its source frames, innermost first ("function:line"); and its opcode op_name."""
+    lines = hlo.split("\n")
+    if "StackFrames" not in lines:
+        return {}, {}
+    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in _section(lines, "FileNames").items()}
+    funcs = {k: v.strip('"') for k, v in _section(lines, "FunctionNames").items()}
+    locs = {}
+    for k, v in _section(lines, "FileLocations").items():
+        m = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", v)
+        locs[k] = (files[int(m.group(1))], f"{funcs[int(m.group(2))]}:{m.group(3)}")
+    parents = {}
+    for k, v in _section(lines, "StackFrames").items():
+        m = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", v)
+        parents[k] = (int(m.group(1)), int(m.group(2)))
+
+    def chain(frame: int) -> list[str]:
+        out = []
+        while frame in parents:
+            loc, parent = parents[frame]
+            if locs[loc][0] not in BENCH_FRAMES:
+                out.append(locs[loc][1])
+            if parent == frame:
+                break
+            frame = parent
+        return out
+
+    frames, ops = {}, {}
+    pattern = r'^\s*(?:ROOT )?%(\S+) = .*?metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?'
+    for m in re.finditer(pattern, hlo, re.M):
+        frames[m.group(1)] = chain(int(m.group(3))) if m.group(3) else []
+        ops[m.group(1)] = m.group(2)
+    return frames, ops
+
+
+def op_times(trace_dir: str) -> collections.Counter:
+    """Microseconds per XLA op name, summed over the trace."""
+    (path,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+    times = collections.Counter()
+    for e in json.load(gzip.open(path))["traceEvents"]:
+        if e.get("ph") == "X":
+            times[e["name"]] += e["dur"]
+    return times
+
+
+def main() -> None:
+    hostmem.exec_with_huge_pages()  # as the `moejax` command runs (moejax.hostmem); may re-execute
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu-shape", action="store_true", help="issue 11's CPU shape instead of the tiny preset")
+    ap.add_argument("--optimizer", choices=("hero", "adam"), default=TINY.train.optimizer)
+    ap.add_argument("--steps", type=int, default=3, help="traced steps (after two untraced ones)")
+    ap.add_argument("--depth", type=int, default=1, help="source frames per line, innermost first")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--trace-dir", default="/tmp/moejax-profile")
+    args = ap.parse_args()
+
+    cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, optimizer=args.optimizer))
+    if args.cpu_shape:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **CPU_SHAPE_MODEL),
+                                  train=dataclasses.replace(cfg.train, batch_size=16, seq_len=256))
+    with make_data(cfg) as data:
+        batches = [jax.device_put(data.train.batch(i)) for i in range(args.steps + 3)]
+    step_fn, state, _ = compiled_step(cfg, batches[0])
+    for batch in batches[1:3]:
+        state, _ = jax.block_until_ready(step_fn(state, batch))
+    shutil.rmtree(args.trace_dir, ignore_errors=True)
+    with jax.profiler.trace(args.trace_dir):
+        for batch in batches[3:]:
+            state, _ = jax.block_until_ready(step_fn(state, batch))
+    frames, ops = source_frames(step_fn.lower(state, batches[0]).compile().as_text())
+
+    by_line, kinds = collections.Counter(), collections.defaultdict(collections.Counter)
+    for name, us in op_times(args.trace_dir).items():
+        if name not in ops and not re.match(r"[a-z_\-]+(\.\d+)?$", name):
+            continue  # runtime events (thunk executor, python), not XLA ops
+        chain = frames.get(name, [])
+        key = " < ".join(chain[:args.depth]) or "(no frame)"
+        ms = us / args.steps / 1e3
+        by_line[key] += ms
+        kinds[key][re.sub(r"\.\d+$", "", name)] += ms
+    print(f"{sum(by_line.values()):.1f} ms of XLA ops per step, {args.steps} traced steps, "
+          f"optimizer {args.optimizer}, GLIBC_TUNABLES={hostmem.tunables()!r}")
+    for key, ms in by_line.most_common(args.top):
+        top = ", ".join(f"{k} {v:.1f}" for k, v in kinds[key].most_common(3))
+        print(f"{ms:8.2f} ms  {key}   [{top}]")
+
+
+if __name__ == "__main__":
+    main()
