@@ -51,6 +51,17 @@ CPU_SHAPE_MODEL = dict(d_model=256, n_layers=4, n_heads=4, head_dim=64, n_kv_hea
                        compute_dtype="float32")
 
 
+def bench_config(cpu_shape: bool, optimizer: str, batch_size: int = TINY.train.batch_size,
+                 seq_len: int = TINY.train.seq_len):
+    """The tiny preset with this optimizer and batch shape, or with issue 11's CPU shape (batch 16 x seq 256)."""
+    cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=batch_size, seq_len=seq_len,
+                                                              optimizer=optimizer))
+    if cpu_shape:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **CPU_SHAPE_MODEL),
+                                  train=dataclasses.replace(cfg.train, batch_size=16, seq_len=256))
+    return cfg
+
+
 def compiled_step(cfg, batch: dict):
     """(jitted step, fresh state, compile + first step seconds) of the train step as `cfg.train` sets it."""
     optimizer, lr_fn = make_optimizer(cfg)
@@ -100,11 +111,7 @@ def main() -> None:
     if args.warmup < 1 or args.steps < 1:
         ap.error(f"--warmup ({args.warmup}) and --steps ({args.steps}) must be >= 1: the first step compiles")
 
-    cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, batch_size=args.batch_size,
-                                                              seq_len=args.seq_len, optimizer=args.optimizer))
-    if args.cpu_shape:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **CPU_SHAPE_MODEL),
-                                  train=dataclasses.replace(cfg.train, batch_size=16, seq_len=256))
+    cfg = bench_config(args.cpu_shape, args.optimizer, args.batch_size, args.seq_len)
     m, t = cfg.model, cfg.train
     with make_data(cfg) as data:
         batches = [jax.device_put(data.train.batch(i)) for i in range(args.warmup + args.steps)]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
@@ -27,7 +26,7 @@ import shutil
 
 import jax
 
-from bench_train_step import CPU_SHAPE_MODEL, compiled_step
+from bench_train_step import bench_config, compiled_step
 from moejax import hostmem
 from moejax.data.pipeline import make_data
 from moejax.presets import TINY
@@ -47,7 +46,8 @@ def _section(lines: list[str], name: str) -> dict[int, str]:
 
 
 def source_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Per HLO instruction: its source frames, innermost first ("function:line"); and its opcode op_name."""
+    """Per HLO instruction: its source frames, innermost first ("function:line"; [] without metadata); and its
+    op_name ("" without)."""
     lines = hlo.split("\n")
     if "StackFrames" not in lines:
         return {}, {}
@@ -74,10 +74,12 @@ def source_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, str]]:
         return out
 
     frames, ops = {}, {}
-    pattern = r'^\s*(?:ROOT )?%(\S+) = .*?metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?'
-    for m in re.finditer(pattern, hlo, re.M):
-        frames[m.group(1)] = chain(int(m.group(3))) if m.group(3) else []
-        ops[m.group(1)] = m.group(2)
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        if m:
+            meta = re.search(r'metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
+            frames[m.group(1)] = chain(int(meta.group(2))) if meta and meta.group(2) else []
+            ops[m.group(1)] = meta.group(1) if meta else ""
     return frames, ops
 
 
@@ -102,10 +104,7 @@ def main() -> None:
     ap.add_argument("--trace-dir", default="/tmp/moejax-profile")
     args = ap.parse_args()
 
-    cfg = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, optimizer=args.optimizer))
-    if args.cpu_shape:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **CPU_SHAPE_MODEL),
-                                  train=dataclasses.replace(cfg.train, batch_size=16, seq_len=256))
+    cfg = bench_config(args.cpu_shape, args.optimizer)
     with make_data(cfg) as data:
         batches = [jax.device_put(data.train.batch(i)) for i in range(args.steps + 3)]
     step_fn, state, _ = compiled_step(cfg, batches[0])
@@ -119,10 +118,9 @@ def main() -> None:
 
     by_line, kinds = collections.Counter(), collections.defaultdict(collections.Counter)
     for name, us in op_times(args.trace_dir).items():
-        if name not in ops and not re.match(r"[a-z_\-]+(\.\d+)?$", name):
-            continue  # runtime events (thunk executor, python), not XLA ops
-        chain = frames.get(name, [])
-        key = " < ".join(chain[:args.depth]) or "(no frame)"
+        if name not in frames:
+            continue  # runtime events (thunk executor, python), not instructions of the step
+        key = " < ".join(frames[name][:args.depth]) or "(no frame)"
         ms = us / args.steps / 1e3
         by_line[key] += ms
         kinds[key][re.sub(r"\.\d+$", "", name)] += ms

@@ -85,7 +85,8 @@ def lm_logits(h: Float[Array, "... D"], lm_head: Float[Array, "D V"]) -> Float[A
 # in one process: one dot 859 ms, chunks of 512 / 1,024 / 2,048 600 / 654 / 694 ms; the whole train step
 # 1.07-1.10x faster with 512-1,024 in three of four one-process A/Bs (docs/LOG.md 2026-12-02, tenth
 # session; measured when the chunks were still joined into [T, V], before `chunked_lse`). XLA:CPU's Eigen
-# dots run a [T, 256] x [256, V] product at ~60% of their peak in one piece and near it in column slices. The tiny demo (V = 2,048, bf16) gained nothing from two chunks (0.95-1.02x).
+# dots run a [T, 256] x [256, V] product at ~60% of their peak in one piece and near it in column slices.
+# The tiny demo (V = 2,048, bf16) gained nothing from two chunks (0.95-1.02x).
 CPU_HEAD_CHUNK = 1024
 MIN_HEAD_CHUNKS = 4
 
