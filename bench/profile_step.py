@@ -8,7 +8,10 @@ Ops without a frame (a few wrapped reductions and copies) are listed as "(no fra
 
 The step is built as `bench_train_step.py` builds it (same shapes, XLA options, huge pages first). Times are
 the traced ops' own durations summed over both CPU threads; on a busy machine they move like any timing, so
-compare lines within one run.
+compare lines within one run. Caveat: XLA:CPU runs large dots asynchronously on its intra-op threads, so a
+dot's trace event can be far shorter than its work (an LM-head slice dot, 2.1 GFLOP, showed 0.5-0.9 ms), and
+elementwise ops that run beside it absorb the wait. Large dots are under-charged and concurrent elementwise
+ops over-charged; confirm a line's cost by removing or rewriting it in a one-process A/B.
 
 Usage: python bench/profile_step.py [--cpu-shape] [--optimizer hero|adam] [--steps 3] [--depth 1] [--top 30]
                                     [--trace-dir /tmp/moejax-profile]
