@@ -1,7 +1,10 @@
 """Small shared fixtures for tests: a toy config exercising every hero feature, and random batches."""
 
+import importlib
 import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,3 +75,13 @@ def loop_steps(model, parallel, batch_size: int, seq_len: int):
     step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
                                        None, remat=False)
     return cfg, state, batch, step_fn, eval_fns
+
+
+def bench_module(name: str):
+    """A script of bench/ (not a package) imported as a module, with bench/ on sys.path while it imports, as
+    `python bench/<name>.py` has it, so that its imports of sibling scripts resolve."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

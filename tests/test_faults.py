@@ -6,7 +6,6 @@ Every run shares one persistent XLA compilation cache and, where it can, one con
 compiles faster than the hero optimizer's, and 8 steps: the schedule's length is a constant of the
 compiled step), so three compilations serve every run here."""
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
+from tests.helpers import bench_module
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "tiny", "--no-progress", "--peak-flops", "1e11", "--wandb", "disabled",
@@ -26,11 +26,7 @@ ADAM = ["--set", "train.optimizer=adam"]
 
 
 def _load_bench():
-    if "fault_injection" not in sys.modules:  # bench/ is not a package: load the script as a module
-        spec = importlib.util.spec_from_file_location("fault_injection", REPO / "bench" / "fault_injection.py")
-        sys.modules["fault_injection"] = mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return sys.modules["fault_injection"]
+    return bench_module("fault_injection")
 
 
 @pytest.fixture(scope="module")

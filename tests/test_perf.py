@@ -1,12 +1,10 @@
 """MFU's peak is the whole job's: per device on accelerators, per process on CPU (issue 11 item 4)."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 
 from moejax.perf import job_peak
+from tests.helpers import bench_module
 
 
 def test_cpu_peak_counts_processes_not_forced_host_devices():
@@ -27,11 +25,7 @@ def _costly_line(x, w):
 
 def test_profile_attribution_names_the_source_line():
     """bench/profile_step.py charges each compiled op to the Python line that emitted it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    try:
-        import profile_step
-    finally:
-        sys.path.pop(0)
+    profile_step = bench_module("profile_step")
     x = jnp.ones((8, 16), jnp.float32)
     hlo = jax.jit(_costly_line).lower(x, x.T).compile().as_text()
     frames, ops = profile_step.source_frames(hlo)
