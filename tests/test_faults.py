@@ -10,14 +10,12 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
 from tests.helpers import bench_module
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--preset", "tiny", "--no-progress", "--peak-flops", "1e11", "--wandb", "disabled",
          "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.seq_len=32",
          "--set", "train.eval_every=0", "--set", "train.eval_batches=0",
