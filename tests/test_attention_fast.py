@@ -75,23 +75,25 @@ SEG_PAD_FIRST = SEG.at[1, :4].set(0)
 
 @pytest.mark.parametrize("window,seg", [(3, SEG), (6, SEG), (3, SEG_PAD_FIRST)], ids=["w3", "w6", "w3-pad-first"])
 def test_band_path_equals_dense(window, seg):
-    """8 / 4 blocks of the window; documents cross block boundaries."""
+    """8 / 4 blocks of the window; documents cross block boundaries. The band takes the G = 2 KV heads
+    itself (its grouped core) and, as the other paths, K/V already per query head (G = H)."""
     q, k, v = _qkv(h=4, g=2)
     want = _vjp_all(_per_head(lambda q, k, v: attend_dense(q, k, v, seg, window, SCALE), 4), q, k, v)
-    got = _vjp_all(_per_head(lambda q, k, v: attend_band(q, k, v, seg, window, SCALE), 4), q, k, v)
-    _assert_same(got, want)
+    _assert_same(_vjp_all(lambda q, k, v: attend_band(q, k, v, seg, window, SCALE), q, k, v), want)
+    _assert_same(_vjp_all(_per_head(lambda q, k, v: attend_band(q, k, v, seg, window, SCALE), 4), q, k, v), want)
 
 
 def test_whole_sequence_local_layers_take_the_band_where_it_pays():
     """attn_q_block 0: local layers run `attend_band` when S is >= 4 whole windows, else (and on global
-    layers) the dense core; each gives the dense core's values."""
+    layers) the dense core; each gives the dense core's values from G = 2 KV heads for H = 4."""
     assert [band_applies(24, w) for w in (3, 6, 5, 8, None)] == [True, True, False, False, False]
-    q, k, v = _qkv(h=2, g=2)
+    q, k, v = _qkv(h=4, g=2)
     for window, banded in ((6, True), (8, False), (None, False)):
         with mock.patch.object(attn, "attend_band", wraps=attend_band) as band:
             got = attend_xla(q, k, v, SEG, window, SCALE, 0)
         assert band.called == banded, window
-        np.testing.assert_allclose(got, attend_dense(q, k, v, SEG, window, SCALE), rtol=RTOL_FP32, atol=ATOL_FP32)
+        want = _per_head(lambda q, k, v: attend_dense(q, k, v, SEG, window, SCALE), 4)(q, k, v)
+        np.testing.assert_allclose(got, want, rtol=RTOL_FP32, atol=ATOL_FP32)
 
 
 def _layer_setup(seq=24, window=5):

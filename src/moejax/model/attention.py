@@ -5,8 +5,9 @@ Hd head dim, Q / K query / key rows of one block.
 Notable choices:
 - K and V project G heads; local layers use all G (H/G queries per KV head), global layers use only the
   first G_global (H/G_global queries per head); query head h reads KV head h // (H / heads used). The
-  XLA path gathers K/V per query head (measured faster on CPU than a grouped [G, H/G] einsum); the GPU
-  kernel maps heads in its index map and never repeats K/V.
+  XLA path gathers K/V per query head (measured faster on CPU than a grouped [G, H/G] einsum), except in
+  the band, where the grouped einsum measured faster; the GPU kernel maps heads in its index map and
+  never repeats K/V.
 - Local and global layers share one scanned layer body with a traced `is_global` flag; the attention core
   runs under `lax.cond`, so a local layer really runs the windowed path (a `jnp.where` of both would pay
   for both). RoPE and the head map are inside the branches.
@@ -124,6 +125,26 @@ def _softmax_av(q: Float[Array, "B Q H Hd"], k: Float[Array, "B K H Hd"], v: Flo
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v, preferred_element_type=jnp.float32)
 
 
+def _softmax_av_grouped(q: Float[Array, "B Q H Hd"], k: Float[Array, "B K G Hd"], v: Float[Array, "B K G Hd"],
+                        mask: Bool[Array, "B Q K"], scale: float) -> Float[Array, "B Q H Hd"]:
+    """`_softmax_av` on G KV heads (G divides H; query head h reads KV head h // (H/G)): the R = H/G query
+    heads of a KV head are rows of one dot, [R*Q, Hd] x [Hd, K], and K/V are never repeated per query head.
+    Only the band uses it: there it measured 1.14-1.22x faster than gathering K/V per query head (one local
+    core fwd+bwd, issue 11's CPU shape, R = 2), while on the dense core (global layers, R = 4; or R = 1) it
+    was slower (docs/LOG.md 2026-12-03, sixteenth session)."""
+    bsz, n_q, n_heads, hd = q.shape
+    q_grouped = q.reshape(bsz, n_q, k.shape[2], n_heads // k.shape[2], hd)  # [B, Q, G, R, Hd]
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", q_grouped, k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, NEG_INF), axis=-1)
+    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs.astype(q.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(bsz, n_q, n_heads, hd)
+
+
+def per_query_head(a: Float[Array, "B K G Hd"], n_heads: int) -> Float[Array, "B K H Hd"]:
+    """K or V repeated for n_heads query heads: head h reads KV head h // (H/G)."""
+    return a[:, :, np.arange(n_heads) // (n_heads // a.shape[2])]
+
+
 def attend_dense(q, k, v, segment_ids, window: int | None, scale: float):
     """The slow reference: all [S, S] scores at once. q, k, v [B, S, H, Hd] (K/V already per query head)."""
     pos = jnp.arange(q.shape[1])
@@ -217,7 +238,8 @@ def band_applies(seq: int, window: int | None) -> bool:
 def attend_band(q, k, v, segment_ids, window: int, scale: float):
     """Local layers without a loop: queries in blocks of W = window rows, each against its own and the
     previous block's keys ([B, n, 2W] keys, n = S / W). q - k < W never reaches further back, so the
-    masks are those of `attend_dense`; FLOPs 2 W S instead of S^2. Measured on 2 CPU cores, issue 11's CPU
+    masks are those of `attend_dense`; FLOPs 2 W S instead of S^2. k, v carry G KV heads (G divides H; the
+    grouped core, so the spans are built for G heads, not H). Measured on 2 CPU cores, issue 11's CPU
     shape (S 256, W 64), one process, alternated: one local layer's core fwd+bwd 42 vs 57 ms dense; the
     whole train step (3 local layers of 4) 1.09-1.10x faster (docs/LOG.md 2026-12-02, eleventh session)."""
     bsz, seq = segment_ids.shape
@@ -229,17 +251,20 @@ def attend_band(q, k, v, segment_ids, window: int, scale: float):
     seg_q = blocks(segment_ids)
     mask = block_mask(seg_q.reshape(rows, window), span(seg_q, -1), window + jnp.arange(window),
                       jnp.arange(2 * window), window)
-    out = _softmax_av(q.reshape(rows, window, *q.shape[2:]), span(blocks(k), 0), span(blocks(v), 0), mask, scale)
+    out = _softmax_av_grouped(q.reshape(rows, window, *q.shape[2:]), span(blocks(k), 0), span(blocks(v), 0), mask,
+                              scale)
     return out.reshape(bsz, seq, *out.shape[2:])
 
 
 def attend_xla(q, k, v, segment_ids, window: int | None, scale: float, qb: int):
-    """The XLA attention core, q/k/v [B, S, H, Hd]. qb == 0 or qb >= S: the whole sequence at once, local
-    layers in window blocks where `band_applies`, else dense; otherwise query blocks of qb rows."""
-    seq = q.shape[1]
+    """The XLA attention core, q [B, S, H, Hd], k/v [B, S, G, Hd] (G divides H). qb == 0 or qb >= S: the
+    whole sequence at once, local layers in window blocks where `band_applies`, else dense; otherwise
+    query blocks of qb rows. All but the band repeat K/V per query head first."""
+    seq, n_heads = q.shape[1:3]
+    if (not qb or seq <= qb) and band_applies(seq, window):
+        return attend_band(q, k, v, segment_ids, window, scale)
+    k, v = per_query_head(k, n_heads), per_query_head(v, n_heads)
     if not qb or seq <= qb:
-        if band_applies(seq, window):
-            return attend_band(q, k, v, segment_ids, window, scale)
         return attend_dense(q, k, v, segment_ids, window, scale)
     if seq % qb:
         raise ValueError(f"sequence length ({seq}) is not divisible by attn_q_block ({qb})")
@@ -323,7 +348,7 @@ def _attend_heads(is_global: bool, p: Attention, x, k_conv, segment_ids, positio
     elif context > 1:
         out = attend_context(q, k, v, segment_ids, window, scale, cfg.attn_q_block, context, head_map)
     else:
-        out = attend_xla(q, k[:, :, head_map], v[:, :, head_map], segment_ids, window, scale, cfg.attn_q_block)
+        out = attend_xla(q, k, v, segment_ids, window, scale, cfg.attn_q_block)
     return xsa(out, v[:, :, head_map])
 
 
