@@ -7,12 +7,16 @@ own mesh must not inherit its parent's.
 XLA:CPU hands dots and many elementwise and reduction fusions to YNNPACK by default. A MoE step is full of
 batched matmuls only 64-128 wide (grouped-GEMM blocks, Newton-Schulz stacks, attention heads), which YNNPACK
 runs at 20-45% of the 1024^3 peak; XLA's own Eigen dots and fused loops run them up to ~2x faster. The whole
-train step at issue 11's CPU shape: 1.18-1.20x, both compiled in one process (docs/LOG.md, 2026-12-02,
-eighth session); the tiny demo's step 1.04-1.12x. So train steps compile with YNNPACK fusions off on CPU,
-per executable (not process-wide, so nothing else changes), unless XLA_FLAGS names the option (the user's
-setting wins) or MOEJAX_XLA_DEFAULTS=1 asks for XLA's defaults. Eval steps keep XLA's defaults: a forward
-pass is mostly the LM head's one large dot, which YNNPACK runs faster (the tiny eval step measured
-0.82-0.99x with the option).
+train step at issue 11's CPU shape: 1.18-1.20x with every YNNPACK fusion off, both compiled in one process
+(docs/LOG.md, 2026-12-02, eighth session); the tiny demo's step 1.04-1.12x. YNNPACK's reductions, though,
+beat XLA's own loops: the three norm metrics (grad, update, param) over 12M parameters took 18.5 ms each
+without them and 3.7 with them, and the step with reductions alone left to YNNPACK ran 1.04-1.13x (adam)
+and 1.11x (hero) faster than with none, the tiny demo's step 1.03x (docs/LOG.md 2026-12-03, sixteenth
+session; YNNPACK's elementwise fusions on top cost 0.80x in the eighth). So train steps compile with
+YNNPACK for reductions only on CPU, per executable (not process-wide, so nothing else changes), unless
+XLA_FLAGS names the option (the user's setting wins) or MOEJAX_XLA_DEFAULTS=1 asks for XLA's defaults. Eval
+steps keep XLA's defaults: a forward pass is mostly the LM head's one large dot, which YNNPACK runs faster
+(the tiny eval step measured 0.82-0.99x with dots off).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import warnings
 
 FORCED_HOST_DEVICES = "--xla_force_host_platform_device_count"
 YNN_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
-CPU_STEP_OPTIONS = {YNN_FUSIONS: ""}  # an empty list of library fusion types: none
+CPU_STEP_OPTIONS = {YNN_FUSIONS: "LIBRARY_FUSION_TYPE_REDUCE"}  # the library fusion types YNNPACK may take
 XLA_DEFAULTS = "MOEJAX_XLA_DEFAULTS"  # =1: the train step compiles with XLA's defaults
 
 
