@@ -23,17 +23,13 @@ SMALL = ["--preset", "tiny", "--no-progress", "--peak-flops", "1e11", "--wandb",
 ADAM = ["--set", "train.optimizer=adam"]
 
 
-def _load_bench():
-    return bench_module("fault_injection")
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("xla-cache")
 
 
 def train(cache, run_dir, *args, fault_env=None, fsize_kib=None):
-    env = _load_bench().env(cache)
+    env = bench_module("fault_injection").env(cache)
     env.update(fault_env or {})
     cmd = [sys.executable, "-m", "moejax.cli", "train", "--run-dir", str(run_dir), *SMALL, *args]
     if fsize_kib:  # RLIMIT_FSIZE via the shell (no preexec_fn: forking this multithreaded process is unsafe)
@@ -46,7 +42,7 @@ def _steps(run_dir):
 
 
 def test_three_kills_resume_to_the_exact_uninterrupted_run(tmp_path, cache):
-    bench = _load_bench()
+    bench = bench_module("fault_injection")
     (tmp_path / "xla-cache").symlink_to(cache)
     faults = [("save", "save:4"), ("metrics", "metrics:5"), ("step", "step:6")]  # 8 steps, a checkpoint every 2
     res = bench.run_campaign(tmp_path, n_kills=3, steps=8, every=2, faults=faults, log=lambda s: None, extra=ADAM)

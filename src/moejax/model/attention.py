@@ -140,9 +140,14 @@ def _softmax_av_grouped(q: Float[Array, "B Q H Hd"], k: Float[Array, "B K G Hd"]
     return out.reshape(bsz, n_q, n_heads, hd)
 
 
+def query_head_map(n_heads: int, n_kv: int) -> np.ndarray:
+    """The KV head each of n_heads query heads reads when n_kv KV heads are used: h // (H / n_kv)."""
+    return np.arange(n_heads) // (n_heads // n_kv)
+
+
 def per_query_head(a: Float[Array, "B K G Hd"], n_heads: int) -> Float[Array, "B K H Hd"]:
-    """K or V repeated for n_heads query heads: head h reads KV head h // (H/G)."""
-    return a[:, :, np.arange(n_heads) // (n_heads // a.shape[2])]
+    """K or V repeated for n_heads query heads (`query_head_map`)."""
+    return a[:, :, query_head_map(n_heads, a.shape[2])]
 
 
 def attend_dense(q, k, v, segment_ids, window: int | None, scale: float):
@@ -284,8 +289,7 @@ def context_keys(k, v, segment_ids, window: int | None, context: int):
 
 def kv_head_map(cfg: ModelConfig, is_global: bool) -> np.ndarray:
     """Which projected KV head each query head reads: H/G per head locally, H/G_global globally."""
-    used = cfg.n_kv_heads_global if is_global else cfg.n_kv_heads
-    return np.arange(cfg.n_heads) // (cfg.n_heads // used)
+    return query_head_map(cfg.n_heads, cfg.n_kv_heads_global if is_global else cfg.n_kv_heads)
 
 
 def _rope_local(x: Float[Array, "B S N Hd"], positions, is_global: bool, cfg: ModelConfig):
