@@ -29,13 +29,16 @@ from tests.helpers import toy_batch, toy_model
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
-def _triton_calls(fn, *args) -> int:
-    """Lower `fn` for CUDA (as a GPU would trace it: Triton kernels, not the interpreter) and count its
-    Triton kernel calls."""
+def _lowered(fn, *args) -> str:
+    """`fn` lowered for CUDA (as a GPU would trace it: Triton kernels, not the interpreter), as MLIR text."""
     with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)), kernel_choice.targeting_gpu():
         exported = export.export(jax.jit(fn), platforms=["cuda"],
                                  disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
-    return exported.mlir_module().count(f"stablehlo.custom_call @{TRITON_CALL}")
+    return exported.mlir_module()
+
+
+def _triton_calls(fn, *args) -> int:
+    return _lowered(fn, *args).count(f"stablehlo.custom_call @{TRITON_CALL}")
 
 
 def _spec(shape, dtype=jnp.bfloat16):
@@ -79,7 +82,11 @@ def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
     with kernel_choice.targeting_gpu():  # the step fixes its kernel choices when built
         step = make_train_step(model, optimizer, lr_fn, remat=remat, scan_layers=False)
     per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
-    assert _triton_calls(step, state, batch) == model.n_layers * per_layer
+    text = _lowered(step, state, batch)
+    assert text.count(f"stablehlo.custom_call @{TRITON_CALL}") == model.n_layers * per_layer
+    # No device while loop: on a GPU each iteration is a launch and a host round trip for its predicate
+    # (jnp.searchsorted's default method was one, in every layer's block layout).
+    assert "stablehlo.while" not in text
 
 
 def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
@@ -99,7 +106,12 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
     # One scanned body: both attention kinds under the lax.cond (forward + remat forward each), three expert
     # matmuls (forward + remat forward, dx, dw).
     assert cfg.model.n_experts == 384 and cfg.train.scan_layers
-    assert _triton_calls(step, state, batch) == 2 * (2 + 1 + 1) + 3 * (2 + 1 + 1)
+    text = _lowered(step, state, batch)
+    assert text.count(f"stablehlo.custom_call @{TRITON_CALL}") == 2 * (2 + 1 + 1) + 3 * (2 + 1 + 1)
+    # Device while loops: the layer scan and the loss streamed over vocab blocks (model.loss_vocab_block),
+    # forward and backward each; nothing loops inside a layer.
+    assert cfg.model.loss_vocab_block < cfg.model.vocab_size
+    assert text.count("stablehlo.while") == 2 + 2
 
 
 @pytest.mark.parametrize("axes", [dict(data=8), dict(data=2, expert=4)], ids=["local_data8", "ep_data2_expert4"])
@@ -133,3 +145,4 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     grouped = [o for o in operands if o not in attention]
     assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
     assert len(grouped) == (model.n_layers * 3 * 3 if par.resolved_backend == "local" else 0)
+    assert "stablehlo.while" not in text  # nor in the EP transport's ranking (unrolled layers: no scan)

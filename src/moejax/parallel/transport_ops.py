@@ -108,7 +108,9 @@ def rank_in_groups(key_N: Int[Array, "N"], n_groups: int) -> GroupRank:
     n = key_N.shape[0]
     order_N = jnp.argsort(key_N, stable=True)
     sorted_N = jnp.take(key_N, order_N)
-    bounds = jnp.searchsorted(sorted_N, jnp.arange(n_groups + 1, dtype=key_N.dtype), side="left").astype(jnp.int32)
+    # unrolled (no device while loop; see grouped.make_layout)
+    bounds = jnp.searchsorted(sorted_N, jnp.arange(n_groups + 1, dtype=key_N.dtype), side="left",
+                              method="scan_unrolled").astype(jnp.int32)
     rank_sorted_N = jnp.arange(n, dtype=jnp.int32) - jnp.take(bounds, sorted_N)
     rank_N = jnp.take(rank_sorted_N, jnp.argsort(order_N))  # undo the sort with a gather (second sort)
     return GroupRank(rank_N, order_N.astype(jnp.int32), bounds[:-1], bounds[1:] - bounds[:-1])

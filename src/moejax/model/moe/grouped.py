@@ -110,7 +110,10 @@ def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | Non
     row_Pd = jnp.full((n_blocks * b,), n_rows, jnp.int32).at[dst_A].set(order_A.astype(jnp.int32),
                                                                          unique_indices=True)
     block_start_Bk = jnp.arange(n_blocks, dtype=jnp.int32) * b
-    expert_Bk = jnp.searchsorted(padded_end_E, block_start_Bk, side="right").astype(jnp.int32)
+    # Unrolled binary search (log2 E steps): the default method is a fori_loop, which on a GPU is a device
+    # while loop run twice per layer (forward and remat), each iteration a kernel launch and a host round
+    # trip for its predicate (seen in the compiled H200 step, docs/LOG.md 2026-12-03, seventeenth session).
+    expert_Bk = jnp.searchsorted(padded_end_E, block_start_Bk, side="right", method="scan_unrolled").astype(jnp.int32)
     return BlockLayout(row_Pd=row_Pd, slot_A=slot_A, expert_Bk=jnp.minimum(expert_Bk, n_experts - 1),
                        blocks_E=padded_E // b)
 
