@@ -58,6 +58,12 @@ def test_plan_compiles_a_data_parallel_step_for_eight_gpus(tmp_path):
     assert 0 < c["peak_bytes"] <= c["sum_bytes"] < 80e9  # XLA's live-range peak, at most everything summed
     assert 0 < r["state_fp32_bytes"] < c["argument_bytes"]
     assert not _our_spills(r["ptxas"]), r["ptxas"]
+    # the roofline of one device's step: every kernel costed (ours by name), more FLOPs than the model's
+    # (the optimizer's and the recomputed ones come on top)
+    roof = c["roofline"]
+    assert roof["seconds"] > 0 and roof["kernels"] > 0 and not roof["unknown"], roof["unknown"]
+    assert 0 < r["model_flops_per_device"] < roof["flops"]
+    assert {"[fwd]", "[bwd]", "[rest]"} <= set(roof["phases"])
 
 
 def test_plan_compile_without_the_cuda_plugin_is_one_line(tmp_path):

@@ -18,6 +18,7 @@ FORBIDDEN = {
     "moejax.config": ("moejax.",),
     "moejax.fsio": ("moejax.",),
     "moejax.diffs": ("moejax.",),
+    "moejax.roofline": ("moejax.",),
     "moejax.accounting": ("moejax.model", "moejax.parallel", "moejax.train", "moejax.data", "moejax.cli"),
     "moejax.presets": ("moejax.model", "moejax.parallel", "moejax.train", "moejax.data", "moejax.cli"),
     "moejax.model": ("moejax.parallel", "moejax.train", "moejax.data", "moejax.cli", "moejax.presets",

@@ -133,12 +133,19 @@ def ptxas_warnings(stderr: str) -> dict:
 _KERNEL_NAME = re.compile(r'op_name="[^"]*?(moejax_\w+)\)?/pallas_call')
 
 
-def compiled_numbers(compiled) -> dict:
-    """XLA's memory analysis of a compiled GPU executable (bytes per device) and its Triton kernels by name.
-    (Its cost analysis is empty without a device.)"""
+def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10) -> dict:
+    """XLA's memory analysis of a compiled GPU executable (bytes per device), its Triton kernels by name, and
+    the roofline estimate of one run on `device_kind` (`moejax.roofline`; XLA's own cost analysis is empty
+    without a device), with its `top` largest items."""
+    from moejax import roofline
+
     m = compiled.memory_analysis()
+    text = compiled.as_text()
+    est = roofline.estimate(text, roofline.GPU_PEAKS[device_kind], TARGETS[device_kind]["bandwidth"],
+                            roofline.GPU_LAUNCH_S)
+    est["items"] = est["items"][:top]
     kernels: dict[str, int] = {}
-    for line in compiled.as_text().splitlines():
+    for line in text.splitlines():
         if f'custom_call_target="{TRITON_CALL}"' in line:
             found = _KERNEL_NAME.search(line)
             name = found.group(1) if found else "unnamed"
@@ -152,7 +159,7 @@ def compiled_numbers(compiled) -> dict:
             "peak_bytes": getattr(m, "peak_memory_in_bytes", None),
             "sum_bytes": m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             + m.temp_size_in_bytes,
-            "triton_kernels": sum(kernels.values()), "kernels": kernels}
+            "triton_kernels": sum(kernels.values()), "kernels": kernels, "roofline": est}
 
 
 def run_compile_subprocess(args: list[str], timeout_s: float, prefix: str = RESULT) -> dict:

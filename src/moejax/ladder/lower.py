@@ -24,6 +24,7 @@ import sys
 import time
 
 from moejax.cuda_aot import TRITON_CALL  # how a Pallas (Triton) kernel appears in the lowered text
+from moejax.roofline import format_estimate
 
 
 def abstract_train_inputs(cfg, mesh, phase=None):
@@ -108,8 +109,15 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     if compile:
         from moejax.cuda_aot import compiled_numbers
 
-        compiled = {"compiled": compiled_numbers(lowered.compile()), "compile_s": time.perf_counter() - t2,
-                    "state_fp32_bytes": _per_device_bytes((state.params, state.opt_state))}
+        from moejax.accounting import fwd_flops_per_token
+
+        rows, seq = batch["tokens"].shape
+        compiled = {"compiled": compiled_numbers(lowered.compile(), device_kind), "compile_s": time.perf_counter() - t2,
+                    "state_fp32_bytes": _per_device_bytes((state.params, state.opt_state)),
+                    # the model FLOPs of one step per device (3 x forward; a context-parallel row is a chunk)
+                    "model_flops_per_device": 3 * fwd_flops_per_token(cfg.model, seq * (1 if phase is None else
+                                                                                        phase.context))
+                    * rows * seq / mesh.size}
     text = lowered.as_text()
     target = "local devices" if concrete else f"{platform} ({device_kind})" if on_gpu else platform
     return {"ok": True, "preset": cfg.name, "platform": target, "mesh": dict(mesh.shape), "devices": mesh.size,
@@ -215,7 +223,8 @@ def format_lower(r: dict, hbm_bytes: float | None = None) -> str:
             f"{c['sum_bytes'] / gb:.2f} GB = arguments {c['argument_bytes'] / gb:.2f} + "
             f"outputs {c['output_bytes'] / gb:.2f} - donated {c['alias_bytes'] / gb:.2f} + temporaries "
             f"{c['temp_bytes'] / gb:.2f} GB; Triton kernels: {kernels}; register spills (ptxas): "
-            + (", ".join(f"{fn} {w['spill_stores']} B" for fn, w in sorted(spills.items())) or "none"))
+            + (", ".join(f"{fn} {w['spill_stores']} B" for fn, w in sorted(spills.items())) or "none")
+            + ("\n" + format_estimate(c["roofline"], r.get("model_flops_per_device"), top=6) if "roofline" in c else ""))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,307 @@
+"""Speed-of-light estimate of a compiled XLA program, from its optimized HLO text alone (no device needed).
+
+Why: most sessions have no GPU, yet the question that matters is how fast the train step *could* run on
+one. XLA's cost analysis of a deviceless GPU compile is empty (`cuda_aot`), so this reads the compiled
+module itself: every kernel the program launches, each costed as max(FLOPs / peak, bytes / bandwidth)
+plus a launch overhead, summed in program order (no overlap between kernels, none needed to reach it).
+The sum is an estimate of the step time at that roofline: a lower bound where the FLOP and byte counts
+are right, and the MFU it implies an upper bound for the program as compiled.
+
+What counts (`estimate`):
+- Executed instructions: the entry computation, while bodies times their known trip count (XLA records
+  it in backend_config; an unknown count is taken as 1 and reported), conditionals at their costliest
+  branch (an upper bound for a scanned body whose branches are the local and global attention layers),
+  calls. A fusion is one kernel; bitcasts, tuples, parameters and constants are free.
+- Bytes: each kernel's operands and results, except that an operand a fusion only slices
+  (dynamic-slice, slice, gather) costs what is sliced, and a dynamic-update-slice or scatter result (a scan
+  writing its residuals or outputs in place; a scatter-add) costs its update.
+- FLOPs: 2 x output elements x contracted size for every dot (also inside GEMM fusions); Pallas kernels
+  by name (`pallas_flops`: moejax's grouped GEMM exactly, flash attention at its causal half, which
+  overstates local layers; names it doesn't know cost bytes only and are listed). Elementwise FLOPs are
+  ignored: on these machines they hide under the memory traffic of the same kernel.
+What it cannot see: a kernel's real efficiency (tiles, occupancy: XLA's autotuner picks GPU GEMM tiles
+only on a device, and the Triton kernels are untuned), caches (every kernel reads HBM), and overlap.
+
+Entry points: `estimate(hlo_text, peak_flops, bandwidth)` and `format_estimate`; `moejax plan --compile`
+prints it for the cluster's GPU; `bench/roofline.py` for issue 11's shapes and the CPU step (where the
+measured step time checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+               "s4": 1, "u4": 1, "token": 0}
+# Dense bf16 matmul peak (vendor figure, no sparsity) and HBM bandwidth, for `moejax plan --compile`.
+GPU_PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA GB200": 2.5e15}
+GPU_LAUNCH_S = 3e-6  # per kernel; CUDA graphs can hide some of it
+
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*?)\)(.*)$")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+) \(.*\{\s*$")
+_NAME = re.compile(r"%([\w.\-]+)")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "iota", "opt-barrier", "copy-done", "all-reduce-done", "all-gather-done",
+         "collective-permute-done", "send-done", "recv-done", "async-done", "async-update"}
+_SLICERS = {"dynamic-slice", "slice", "gather"}
+# Ops that update their first operand in place: the operand number of the update (a scatter's indices are
+# read as well).
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
+_KERNEL_NAME = re.compile(r'op_name="[^"]*?(moejax_\w+)\)?/pallas_call')
+
+
+@dataclasses.dataclass
+class Instr:
+    name: str
+    type: str  # result type text: an array, or a tuple of arrays
+    op: str
+    operands: list[str]
+    args: str  # the operand list as written (a parameter's number, a constant's literal)
+    attrs: str  # everything after the operand list
+
+    def called(self, key: str) -> list[str]:
+        found = re.search(rf"\b{key}=\{{([^}}]*)\}}", self.attrs) or re.search(rf"\b{key}=%([\w.\-]+)", self.attrs)
+        if not found:
+            return []
+        return _NAME.findall(found.group(1)) if "{" in found.group(0) else [found.group(1)]
+
+
+def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array in a result type (one for an array, several for a tuple)."""
+    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(type_text)
+            if dt in DTYPE_BYTES]
+
+
+def nbytes(type_text: str) -> int:
+    return sum(DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in arrays(type_text))
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
+    """Computations by name (their instructions in order) and the entry computation's name."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            current = comps.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
+            continue
+        m = _LINE.match(line)
+        if m and current is not None:
+            name, type_text, op, operands, attrs = m.groups()
+            current.append(Instr(name, type_text, op, _NAME.findall(operands), operands, attrs))
+    if not entry:
+        raise ValueError("no ENTRY computation in this HLO text")
+    return comps, entry
+
+
+def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    out = arrays(ins.type)
+    lhs = arrays(shapes.get(ins.operands[0], ""))
+    dims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+    if not out or not lhs or not dims:
+        return 0.0
+    contracted = math.prod(lhs[0][1][int(d)] for d in dims.group(1).split(",") if d)
+    return 2.0 * math.prod(out[0][1]) * contracted
+
+
+def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> float | None:
+    """FLOPs of one of moejax's Pallas kernels from its operands, or None for a kernel it doesn't know."""
+    ops = [arrays(t)[0][1] if arrays(t) else () for t in operand_types]
+    res = arrays(result_type)
+    if kernel in ("moejax_grouped_fwd", "moejax_grouped_dx"):  # (expert, used, x [Bk,b,K], w), out [Bk,b,N]
+        n_blocks, b, k = ops[2]
+        return 2.0 * n_blocks * b * k * res[0][1][-1]
+    if kernel == "moejax_grouped_dw":  # (first, count, x [Bk,b,Z], dy [Bk,b,F])
+        n_blocks, b, z = ops[2]
+        return 2.0 * n_blocks * b * z * ops[3][-1]
+    matmuls = {"moejax_flash_fwd": 2, "moejax_flash_dq": 3, "moejax_flash_dkv": 4}.get(kernel)
+    if matmuls:  # q [B, S, H, D] is the first 4-d operand, k [B, Sk, G, D] the next; causal half
+        q, k = [s for s in ops if len(s) == 4][:2]
+        return matmuls * 2.0 * q[0] * q[2] * q[1] * k[1] * q[3] * 0.5
+    return None
+
+
+@dataclasses.dataclass
+class Cost:
+    seconds: float = 0.0
+    flops: float = 0.0
+    bytes: float = 0.0
+    kernels: float = 0.0
+    compute_s: float = 0.0  # time of the kernels bound by FLOPs
+    memory_s: float = 0.0  # time of the kernels bound by bytes
+    items: dict = dataclasses.field(default_factory=dict)  # label -> [seconds, flops, bytes, count]
+    unknown: set = dataclasses.field(default_factory=set)
+
+    def add(self, label: str, flops: float, nbytes_: float, times: float, peak: float, bw: float, launch: float):
+        t_c, t_m = flops / peak, nbytes_ / bw
+        s = (max(t_c, t_m) + launch) * times
+        self.seconds += s
+        self.flops += flops * times
+        self.bytes += nbytes_ * times
+        self.kernels += times
+        self.compute_s += (t_c if t_c >= t_m else 0.0) * times
+        self.memory_s += (t_m if t_m > t_c else 0.0) * times
+        row = self.items.setdefault(label, [0.0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((s, flops * times, nbytes_ * times, times)):
+            row[i] += v
+
+    def merge(self, other: "Cost", times: float = 1.0) -> None:
+        for f in ("seconds", "flops", "bytes", "kernels", "compute_s", "memory_s"):
+            setattr(self, f, getattr(self, f) + getattr(other, f) * times)
+        for label, row in other.items.items():
+            mine = self.items.setdefault(label, [0.0, 0.0, 0.0, 0.0])
+            for i in range(4):
+                mine[i] += row[i] * times
+        self.unknown |= other.unknown
+
+
+class _Walker:
+    def __init__(self, comps: dict[str, list[Instr]], peak: float, bw: float, launch: float, count_trips: bool):
+        self.comps, self.peak, self.bw, self.launch, self.count_trips = comps, peak, bw, launch, count_trips
+        self.shapes = {i.name: i.type for c in comps.values() for i in c}
+
+    def computation(self, name: str) -> Cost:
+        cost = Cost()
+        for ins in self.comps[name]:
+            self.instruction(ins, cost)
+        return cost
+
+    def instruction(self, ins: Instr, cost: Cost) -> None:
+        if ins.op in _FREE:
+            return
+        if ins.op == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+            if not trips:
+                cost.unknown.add(f"while {ins.name}: unknown trip count, taken as 1")
+            n = int(trips.group(1)) if trips and self.count_trips else 1
+            cost.merge(self.computation(ins.called("body")[0]), n)
+            cost.merge(self.computation(ins.called("condition")[0]), n + 1 if self.count_trips else 1)
+            return
+        if ins.op == "conditional":
+            branches = ins.called("branch_computations") or ins.called("true_computation") + ins.called(
+                "false_computation")
+            cost.merge(max((self.computation(b) for b in branches), key=lambda c: c.seconds))
+            return
+        if ins.op == "call":
+            cost.merge(self.computation(ins.called("to_apply")[0]))
+            return
+        flops, moved = self.kernel(ins, cost)
+        cost.add(self.label(ins), flops, moved, 1.0, self.peak, self.bw, self.launch)
+
+    def kernel(self, ins: Instr, cost: Cost) -> tuple[float, float]:
+        operand_types = [self.shapes.get(o, "") for o in ins.operands]
+        if ins.op == "fusion":
+            return self.fusion(ins, operand_types)
+        if ins.op == "dot":
+            return _dot_flops(ins, self.shapes), nbytes(ins.type) + sum(map(nbytes, operand_types))
+        if ins.op in _IN_PLACE:  # reads and writes the update, reads the indices; the buffer stays in place
+            u = _IN_PLACE[ins.op]
+            return 0.0, 2.0 * nbytes(operand_types[u]) + sum(nbytes(t) for i, t in enumerate(operand_types)
+                                                             if i not in (0, u))
+        if ins.op in _SLICERS:
+            return 0.0, 2.0 * nbytes(ins.type)
+        if ins.op == "custom-call":
+            kernel = _KERNEL_NAME.search(ins.attrs)
+            flops = pallas_flops(kernel.group(1), operand_types, ins.type) if kernel else None
+            if flops is None:
+                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+                cost.unknown.add(f"custom-call {kernel.group(1) if kernel else target and target.group(1)}: bytes only")
+            return flops or 0.0, nbytes(ins.type) + sum(map(nbytes, operand_types))
+        return 0.0, nbytes(ins.type) + sum(map(nbytes, operand_types))
+
+    def fusion(self, ins: Instr, operand_types: list[str]) -> tuple[float, float]:
+        body = self.comps[ins.called("calls")[0]]
+        by_name = {i.name: i for i in body}
+        users: dict[str, list[Instr]] = {}
+        for i in body:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+        flops = sum(_dot_flops(i, self.shapes) for i in body if i.op == "dot")
+        moved = 0.0
+        for p, t in zip(sorted((i for i in body if i.op == "parameter"), key=lambda i: int(i.args)), operand_types):
+            uses = users.get(p.name, [])
+            # a buffer only sliced, or updated in place, costs the slices read (the updates are the output's)
+            if uses and all((u.op in _SLICERS or u.op in _IN_PLACE) and u.operands[0] == p.name for u in uses):
+                moved += sum(nbytes(u.type) for u in uses if u.op in _SLICERS)
+            else:
+                moved += nbytes(t)
+        root = body[-1] if body else None
+        outs = [by_name.get(o) for o in root.operands] if root is not None and root.op == "tuple" else [root]
+        for out in outs:
+            if out is not None and out.op in _IN_PLACE:
+                moved += nbytes(self.shapes.get(out.operands[_IN_PLACE[out.op]], ""))
+            elif out is not None:
+                moved += nbytes(out.type)
+        return flops, moved
+
+    def label(self, ins: Instr) -> str:
+        kernel = _KERNEL_NAME.search(ins.attrs)
+        op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
+        if kernel:
+            return f"{_phase(op_name.group(1) if op_name else '')} {kernel.group(1)}"
+        op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
+        where = _short_op_name(op_name.group(1)) if op_name else ""
+        kind = re.search(r"kind=(k\w+)", ins.attrs)
+        what = ins.op if ins.op != "fusion" else f"fusion:{kind.group(1) if kind else ''}"
+        return f"{_phase(op_name.group(1) if op_name else '')} {what} {where}".strip()
+
+
+def _phase(op_name: str) -> str:
+    """Which part of a jax train step an op came from, by its op_name path: the forward, the remat's
+    recomputed forward, the backward, or the rest (optimizer, metrics; no autodiff transform in the path)."""
+    if "rematted_computation" in op_name:
+        return "[remat]"
+    if "transpose(jvp" in op_name:
+        return "[bwd]"
+    return "[fwd]" if "jvp(" in op_name else "[rest]"
+
+
+def _short_op_name(op_name: str) -> str:
+    """The last two meaningful parts of a jax op_name path (`.../attention/dot_general` -> `attention/dot_general`)."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "jvp(", "transpose(", "vmap("))
+             and p not in ("while", "body", "closed_call", "checkpoint", "rematted_computation", "cond")]
+    return "/".join(parts[-3:])
+
+
+def estimate(hlo_text: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0,
+             count_trips: bool = True) -> dict:
+    """The roofline estimate of one run of the compiled program `hlo_text` (its `as_text()`) on a device of
+    `peak_flops` FLOP/s and `bandwidth` bytes/s, `launch_s` seconds per kernel: seconds, FLOPs, bytes,
+    kernels, the time of compute-bound and memory-bound kernels, per part of a train step and per label
+    (kernel name, or op kind and the jax op it came from) [seconds, FLOPs, bytes, count], largest first.
+    `count_trips` False: every loop body once, as XLA's own cost analysis counts (to compare with it)."""
+    comps, entry = parse(hlo_text)
+    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips).computation(entry)
+    top = sorted(cost.items.items(), key=lambda kv: -kv[1][0])
+    phases: dict[str, list[float]] = {}
+    for label, row in top:
+        mine = phases.setdefault(label.split()[0], [0.0, 0.0, 0.0, 0.0])
+        for i in range(4):
+            mine[i] += row[i]
+    return {"seconds": cost.seconds, "flops": cost.flops, "bytes": cost.bytes, "kernels": cost.kernels,
+            "compute_bound_s": cost.compute_s, "memory_bound_s": cost.memory_s,
+            "launch_s": cost.kernels * launch_s, "peak_flops": peak_flops, "bandwidth": bandwidth,
+            "items": [[label, *row] for label, row in top], "phases": phases, "unknown": sorted(cost.unknown)}
+
+
+def format_estimate(r: dict, model_flops: float | None = None, top: int = 12) -> str:
+    """A few lines: the estimate, the MFU it caps (with the model's FLOPs per run), the largest items."""
+    text = (f"roofline (no overlap, every kernel at its bound): {1e3 * r['seconds']:.1f} ms = compute-bound "
+            f"{1e3 * r['compute_bound_s']:.1f} + memory-bound {1e3 * r['memory_bound_s']:.1f} + launches "
+            f"{1e3 * r['launch_s']:.1f} ms; {r['flops'] / 1e12:.2f} TFLOP, {r['bytes'] / 1e9:.1f} GB, "
+            f"{r['kernels']:,.0f} kernels (peak {r['peak_flops'] / 1e12:.3g} TFLOP/s, {r['bandwidth'] / 1e9:.0f} GB/s)")
+    if model_flops:
+        text += (f"; model FLOPs {model_flops / 1e12:.2f} TFLOP -> MFU at most "
+                 f"{100 * model_flops / r['seconds'] / r['peak_flops']:.1f}%")
+    text += "\n  by part: " + ", ".join(f"{p[1:-1]} {1e3 * row[0]:.1f} ms ({row[2] / 1e9:.1f} GB)"
+                                       for p, row in r["phases"].items())
+    rows = [f"  {1e3 * s:9.2f} ms {f / 1e9:10.1f} GFLOP {b / 1e9:8.2f} GB {n:6.0f}x  {label}"
+            for label, s, f, b, n in r["items"][:top]]
+    notes = [f"  (not costed: {u})" for u in r["unknown"]]
+    return "\n".join([text, *rows, *notes])
