@@ -3,7 +3,7 @@
 Why: most sessions have no GPU, yet the question that matters is how fast the train step *could* run on
 one. XLA's cost analysis of a deviceless GPU compile is empty (`cuda_aot`), so this reads the compiled
 module itself: every kernel the program launches, each costed as max(FLOPs / peak, bytes / bandwidth)
-plus a launch overhead, summed in program order (no overlap between kernels, none needed to reach it).
+plus a launch overhead, summed in program order as if no two kernels overlapped.
 The sum is an estimate of the step time at that roofline: a lower bound where the FLOP and byte counts
 are right, and the MFU it implies an upper bound for the program as compiled.
 
@@ -30,7 +30,6 @@ measured step time checks it).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
