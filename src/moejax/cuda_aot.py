@@ -255,7 +255,7 @@ def compile_kernels(device_kind: str) -> list[dict]:
         try:
             with targeting_gpu(), jax.set_mesh(mesh):
                 compiled = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
-            row = {"case": name, "ok": True, **compiled_numbers(compiled), "expected_kernels": kernels}
+            row = {"case": name, "ok": True, **compiled_numbers(compiled, device_kind), "expected_kernels": kernels}
         except Exception as e:  # reported per case; the caller decides
             row = {"case": name, "ok": False, "error": f"{type(e).__name__}: {e}".splitlines()[0][:2000]}
         rows.append({**row, "compile_s": time.perf_counter() - t0})
