@@ -3,6 +3,7 @@ an abstract H200 device): Pallas's Triton lowering rules accept every op, ref in
 use, at the shapes of issue 11's shape G. What this cannot check is Triton's own compile to PTX, which
 runs inside XLA on a GPU (`bench/bench_gpu.py` does that)."""
 
+import contextlib
 import re
 from dataclasses import replace
 
@@ -30,29 +31,34 @@ from tests.helpers import toy_batch, toy_model
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
-def _lowered(fn, *args) -> str:
-    """`fn` lowered for CUDA (as a GPU would trace it: Triton kernels, not the interpreter), as MLIR text."""
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)), kernel_choice.targeting_gpu():
-        exported = export.export(jax.jit(fn), platforms=["cuda"],
-                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
-    return exported.mlir_module()
+def _as_gpu():
+    """Trace as a GPU would: on an abstract H200, Triton kernels chosen (not the interpreter)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)))
+    stack.enter_context(kernel_choice.targeting_gpu())
+    return stack
 
 
 def _triton_calls(fn, *args) -> int:
-    return _lowered(fn, *args).count(f"stablehlo.custom_call @{TRITON_CALL}")
+    """Lower `fn` for CUDA as a GPU would trace it and count its Triton kernel calls."""
+    with _as_gpu():
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    return exported.mlir_module().count(f"stablehlo.custom_call @{TRITON_CALL}")
 
 
 def _loops(fn, *args) -> list[tuple[str, int | None]]:
     """The loops of `fn` traced as a GPU would trace it (`_jaxpr_loops`)."""
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)), kernel_choice.targeting_gpu():
+    with _as_gpu():
         return _jaxpr_loops(jax.jit(fn).trace(*args).jaxpr)
 
 
 def _jaxpr_loops(closed) -> list[tuple[str, int | None]]:
-    """(primitive, trip count) of every scan (not fully unrolled) and while loop in a jaxpr, sub-jaxprs (cond, custom VJPs, remat,
-    shard_map, nested jits) included, but not inside Pallas kernels, whose loops run within the kernel. Each
-    is a device while loop on a GPU: a launch and a host round trip for its predicate per trip. jnp.searchsorted's
-    default method was one (a fori_loop, i.e. a scan) in every layer's block layout and EP ranking."""
+    """(primitive, trip count) of every scan (not fully unrolled) and while loop in a jaxpr, sub-jaxprs (cond,
+    custom VJPs, remat, shard_map, nested jits) included, but not inside Pallas kernels, whose loops run
+    within the kernel. Each is a device while loop on a GPU: a launch and a host round trip for its predicate
+    per trip. jnp.searchsorted's default method was one (a fori_loop, i.e. a scan) in every layer's block
+    layout and EP ranking."""
     loops, todo = [], [closed.jaxpr]
     while todo:
         for eqn in todo.pop().eqns:
@@ -157,8 +163,8 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     with use_abstract_mesh(mesh), kernel_choice.targeting_gpu():
         step = make_train_step(model, optimizer, lr_fn, moe_backend(par, mesh), remat=False, scan_layers=False,
                                attention_kernel=attention_kernel(mesh))
-        text = (jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
-                .trace(state, batch).lower(lowering_platforms=("cuda",)).as_text())
+        traced = jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None)).trace(state, batch)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     operands = re.findall(rf"stablehlo.custom_call @{re.escape(TRITON_CALL)}\(.*?\).*?: \((.*?)\) ->", text)
     attention = [o for o in operands if "tensor<1x64x4x16xbf16>" in o]  # q of one row
     assert len(attention) == model.n_layers * 3  # forward, dq, dkv
@@ -170,7 +176,4 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     grouped = [o for o in operands if o not in attention]
     assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
     assert len(grouped) == (model.n_layers * 3 * 3 if par.resolved_backend == "local" else 0)
-    with use_abstract_mesh(mesh), kernel_choice.targeting_gpu():
-        loops = _jaxpr_loops(jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
-                             .trace(state, batch).jaxpr)
-    assert loops == []  # nor in the EP transport's ranking
+    assert _jaxpr_loops(traced.jaxpr) == []  # nor in the EP transport's ranking

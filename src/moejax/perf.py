@@ -24,12 +24,17 @@ def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5) -> f
     b = jax.random.normal(kb, (n, n), dtype)
     f = jax.jit(lambda x, y: x @ y)
     f(a, b).block_until_ready()
+    return 2.0 * n**3 / _fastest(lambda: f(a, b).block_until_ready(), repeats)
+
+
+def _fastest(call, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls."""
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        f(a, b).block_until_ready()
+        call()
         best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+    return best
 
 
 def job_peak(per_device: float = 0.0) -> dict:
@@ -58,10 +63,9 @@ def measure_bandwidth(n: int = 1 << 24, repeats: int = 7) -> float:
     gets, for `moejax.roofline`. In place, since a fresh output buffer on CPU would time the kernel's page
     faults (2 cores here: ~28 GB/s in place, 4-12 GB/s into fresh buffers)."""
     f = jax.jit(lambda v: v + 1.0, donate_argnums=0)
-    x = f(jnp.zeros((n,), jnp.float32)).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x = f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * 4 * n / best
+    buf = [f(jnp.zeros((n,), jnp.float32)).block_until_ready()]  # each call donates the last one's output
+
+    def step():
+        buf[0] = f(buf[0]).block_until_ready()
+
+    return 2.0 * 4 * n / _fastest(step, repeats)

@@ -137,17 +137,18 @@ class Cost:
     items: dict = dataclasses.field(default_factory=dict)  # label -> [seconds, flops, bytes, count]
     unknown: set = dataclasses.field(default_factory=set)
 
-    def add(self, label: str, flops: float, nbytes_: float, times: float, peak: float, bw: float, launch: float):
+    def add(self, label: str, flops: float, nbytes_: float, peak: float, bw: float, launch: float):
+        """One kernel: its time is max(FLOPs / peak, bytes / bw) + launch."""
         t_c, t_m = flops / peak, nbytes_ / bw
-        s = (max(t_c, t_m) + launch) * times
+        s = max(t_c, t_m) + launch
         self.seconds += s
-        self.flops += flops * times
-        self.bytes += nbytes_ * times
-        self.kernels += times
-        self.compute_s += (t_c if t_c >= t_m else 0.0) * times
-        self.memory_s += (t_m if t_m > t_c else 0.0) * times
+        self.flops += flops
+        self.bytes += nbytes_
+        self.kernels += 1
+        self.compute_s += t_c if t_c >= t_m else 0.0
+        self.memory_s += t_m if t_m > t_c else 0.0
         row = self.items.setdefault(label, [0.0, 0.0, 0.0, 0.0])
-        for i, v in enumerate((s, flops * times, nbytes_ * times, times)):
+        for i, v in enumerate((s, flops, nbytes_, 1.0)):
             row[i] += v
 
     def merge(self, other: "Cost", times: float = 1.0) -> None:
@@ -191,7 +192,7 @@ class _Walker:
             cost.merge(self.computation(ins.called("to_apply")[0]))
             return
         flops, moved = self.kernel(ins, cost)
-        cost.add(self.label(ins), flops, moved, 1.0, self.peak, self.bw, self.launch)
+        cost.add(self.label(ins), flops, moved, self.peak, self.bw, self.launch)
 
     def kernel(self, ins: Instr, cost: Cost) -> tuple[float, float]:
         operand_types = [self.shapes.get(o, "") for o in ins.operands]
