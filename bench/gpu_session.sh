@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Everything issue 11 needs from one GPU session, unattended, each part time-limited (11 1/3 minutes at most,
-# so with a 10-minute limit per command run it as two calls: PARTS="check grouped flash", then PARTS="step ab"):
+# Everything issue 11 needs from one GPU session, unattended, each part time-limited (14 minutes at most, so
+# with a 10-minute limit per command run it as two calls: PARTS="check fast step" first, since the step
+# figures are the ones the issue asks for, then PARTS="grouped flash ab" if device time is left):
 #   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references;
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target), tile /
 #            pipeline-stage / warp sweep;
 #   flash    bench_flash.py: the attention core, flash kernel block sizes vs the XLA path (and cuDNN);
+#   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (51 GB);
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile;
 #   ab       bench_gpu.py --paths local,local-xla on G: the grouped-GEMM kernel vs the XLA einsums in the step.
 # A crash or hang (a Triton compile, an OOM) costs only its part. Output: the console, and one log per part
 # under $OUT (the device tool's folder) or ./bench_out.
 # Usage, from the repository root on the GPU machine:  bash bench/gpu_session.sh
-#   PARTS="check grouped flash" bash bench/gpu_session.sh   runs a subset (e.g. to split a session in two calls)
+#   PARTS="check fast step" bash bench/gpu_session.sh   runs a subset (e.g. to split a session in two calls)
 # CPU check of the script itself (small shapes, ~2 minutes):  SMOKE=1 bash bench/gpu_session.sh
 set -u
 out="${OUT:-bench_out}"
-parts="${PARTS:-check grouped flash step ab}"
+parts="${PARTS:-check fast step grouped flash ab}"
 mkdir -p "$out"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # peak-memory figures from the allocator, not a 75% preallocation
@@ -45,6 +47,8 @@ fi
 part check 60 python bench/check_gpu_kernels.py "${check_args[@]}"
 part grouped 130 python bench/bench_grouped.py "${grouped_args[@]}"
 part flash 80 python bench/bench_flash.py "${flash_args[@]}"
+part fast 150 python bench/bench_gpu.py --shapes G --paths local,capacity --unrolled --no-remat --no-profile \
+  --steps 4 --budget-s 90 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 110 python bench/bench_gpu.py --shapes G --paths local,local-xla --no-profile --steps 4 --budget-s 50 \
   "${step_args[@]}"

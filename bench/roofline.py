@@ -8,7 +8,7 @@ CPU: compiles issue 11's CPU-shape step as `bench_train_step.py` builds it, meas
 matmul peak and in-place memory bandwidth, prints the estimate, then times the real step beside it, so the
 estimate is checked against a measurement where one can be made.
 
-Usage: python bench/roofline.py --gpu G [--no-remat] [--optimizer hero|adam]
+Usage: python bench/roofline.py --gpu G [--no-remat] [--unrolled] [--optimizer hero|adam]
        python bench/roofline.py --gpu d1024
        python bench/roofline.py --cpu-shape [--optimizer adam] [--steps 6]
 """
@@ -26,17 +26,18 @@ import numpy as np
 from moejax import roofline
 
 
-def gpu(shape: str, remat: bool, optimizer: str, top: int) -> None:
+def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = True) -> None:
     from bench_gpu import rung_d1024, shape_g
 
     from moejax.ladder.lower import lower_train_step
 
     cfg = {"G": shape_g, "d1024": rung_d1024}[shape]()
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=optimizer, remat=remat))
-    r = lower_train_step(cfg, remat=remat, compile=True)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=optimizer, remat=remat,
+                                                             scan_layers=scan_layers))
+    r = lower_train_step(cfg, compile=True)
     c = r["compiled"]
     print(f"{shape} on one NVIDIA H200: batch {r['batch'][0]} x {r['batch'][1]}, remat "
-          f"{remat}, optimizer {optimizer}; compiled in {r['compile_s']:.0f} s, XLA's peak "
+          f"{remat}, layers {'scanned' if scan_layers else 'unrolled'}, optimizer {optimizer}; compiled in {r['compile_s']:.0f} s, XLA's peak "
           f"{c['peak_bytes'] / 1e9:.2f} GB")
     print(roofline.format_estimate(c["roofline"], r["model_flops_per_device"], top=top))
 
@@ -78,6 +79,8 @@ def main() -> None:
     where.add_argument("--gpu", choices=("G", "d1024"), help="compile this shape for one H200 (deviceless)")
     where.add_argument("--cpu-shape", action="store_true", help="issue 11's CPU shape on this machine, timed too")
     ap.add_argument("--no-remat", dest="remat", action="store_false", help="GPU: without block remat")
+    ap.add_argument("--unrolled", dest="scan_layers", action="store_false",
+                    help="GPU: the layers unrolled (train.scan_layers=false) instead of scanned")
     ap.add_argument("--optimizer", choices=("hero", "adam"), default="hero")
     ap.add_argument("--steps", type=int, default=6, help="CPU: timed steps (after one warm-up)")
     ap.add_argument("--top", type=int, default=15, help="largest items listed")
@@ -89,7 +92,7 @@ def main() -> None:
 
         env = {**subprocess_env(), "MOEJAX_ROOFLINE_CHILD": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    gpu(args.gpu, args.remat, args.optimizer, args.top)
+    gpu(args.gpu, args.remat, args.optimizer, args.top, args.scan_layers)
 
 
 if __name__ == "__main__":

@@ -139,3 +139,15 @@ def test_pallas_grouped_gemm_flops():
     assert roofline.pallas_flops("moejax_grouped_dw", ["s32[4]", "s32[4]", x, dy], "f32[4,512,256]") == \
         2 * 10 * 128 * 512 * 256
     assert roofline.pallas_flops("some_other_kernel", [x], x) is None
+
+
+def test_kernel_name_found_through_autodiff_wrappers():
+    """A Pallas kernel is costed by its name, however many transforms wrap it in the op_name (an unrolled,
+    un-rematted step's backward has `transpose(jvp(name))`; the old pattern missed it and left those kernels
+    without FLOPs)."""
+    names = {'op_name="jit(train_step)/jvp(moejax_grouped_fwd)/pallas_call"': "moejax_grouped_fwd",
+             'op_name="jit(train_step)/transpose(jvp(moejax_grouped_dw))/pallas_call"': "moejax_grouped_dw",
+             'op_name="jit(step)/while/body/closed_call/moejax_flash_dq/pallas_call"': "moejax_flash_dq"}
+    for attrs, name in names.items():
+        assert roofline.KERNEL_NAME.search(attrs).group(1) == name
+    assert roofline.KERNEL_NAME.search('op_name="jit(step)/custom_kernel/pallas_call"') is None

@@ -130,9 +130,6 @@ def ptxas_warnings(stderr: str) -> dict:
     return out
 
 
-_KERNEL_NAME = re.compile(r'op_name="[^"]*?(moejax_\w+)\)?/pallas_call')
-
-
 def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10) -> dict:
     """XLA's memory analysis of a compiled GPU executable (bytes per device), its Triton kernels by name, and
     the roofline estimate of one run on `device_kind` (`moejax.roofline`; XLA's own cost analysis is empty
@@ -147,7 +144,7 @@ def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10) ->
     kernels: dict[str, int] = {}
     for line in text.splitlines():
         if f'custom_call_target="{TRITON_CALL}"' in line:
-            found = _KERNEL_NAME.search(line)
+            found = roofline.KERNEL_NAME.search(line)
             name = found.group(1) if found else "unnamed"
             kernels[name] = kernels.get(name, 0) + 1
     return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,

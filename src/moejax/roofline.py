@@ -51,7 +51,9 @@ _SLICERS = {"dynamic-slice", "slice", "gather"}
 # Ops that update their first operand in place: the operand number of the update (a scatter's indices are
 # read as well).
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
-_KERNEL_NAME = re.compile(r'op_name="[^"]*?(moejax_\w+)\)?/pallas_call')
+# A Pallas kernel's name in its op_name: `.../moejax_grouped_fwd/pallas_call`, or wrapped by autodiff, e.g.
+# `transpose(jvp(moejax_grouped_dw))/pallas_call` in an unrolled step's backward.
+KERNEL_NAME = re.compile(r'op_name="[^"]*?(moejax_\w+)\)*/pallas_call')
 
 
 @dataclasses.dataclass
@@ -207,7 +209,7 @@ class _Walker:
         if ins.op in _SLICERS:
             return 0.0, 2.0 * nbytes(ins.type)
         if ins.op == "custom-call":
-            kernel = _KERNEL_NAME.search(ins.attrs)
+            kernel = KERNEL_NAME.search(ins.attrs)
             flops = pallas_flops(kernel.group(1), operand_types, ins.type) if kernel else None
             if flops is None:
                 target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
@@ -241,7 +243,7 @@ class _Walker:
         return flops, moved
 
     def label(self, ins: Instr) -> str:
-        kernel = _KERNEL_NAME.search(ins.attrs)
+        kernel = KERNEL_NAME.search(ins.attrs)
         op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
         if kernel:
             return f"{_phase(op_name.group(1) if op_name else '')} {kernel.group(1)}"

@@ -8,8 +8,9 @@ needed at all, and the hero's 704-device step lowers on a laptop (time and RAM: 
 `format_lower`). `jax.jit(step, in_shardings, out_shardings).lower(state, batch)` runs
 the full tracing + sharding propagation + StableHLO emission, including the pooled-wave transport's
 `shard_map` over `expert`; the all_to_all count in the lowered text checks that every MoE layer emits
-its W waves x 2 directions (the layer scan holds one copy of the body, the backward another; block remat
-adds the collectives `train.remat_saves` doesn't keep: none, W or 2W).
+its W waves x 2 directions (the layer scan holds one copy of the body, the backward another; unrolled,
+every layer has its own; block remat adds the collectives `train.remat_saves` doesn't keep: none, W or 2W).
+The step is built as the run would build it: cfg.train.remat and cfg.train.scan_layers.
 
 `lower_in_subprocess` runs it in a fresh interpreter so the caller's jax state (forced host devices,
 x64, caches) cannot leak in, and so a failure cannot take the CLI down with it.
@@ -58,14 +59,15 @@ def abstract_train_inputs(cfg, mesh, phase=None):
     return state, batch, state_sh, bsh, optimizer, lr_fn
 
 
-def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None, phase=None,
+def lower_train_step(cfg, remat: bool | None = None, platform: str = "cuda", mesh=None, phase=None,
                      device_kind: str = "NVIDIA H200", cores: int = 132, compile: bool = False) -> dict:
     """Lower cfg's train step on an AbstractMesh of cfg.parallel's shape (or on `mesh`, a concrete Mesh
     of this process's devices, lowered for them); returns timing and counts. `phase` (a ContextPhase of
     cfg.phases): that phase's batch layout, context-parallel degree and capacity factors. `device_kind`,
     `cores`: the GPU the abstract mesh stands for (the kernels' Triton target). `compile`: lower on a
     deviceless CUDA topology of that GPU instead and compile with XLA's GPU compiler (`moejax.cuda_aot`; run
-    in its subprocess environment), adding XLA's memory and cost analysis."""
+    in its subprocess environment), adding XLA's memory and cost analysis. `remat` None: as cfg.train.remat;
+    the layers are scanned or unrolled as cfg.train.scan_layers says."""
     import contextlib
     import dataclasses
 
@@ -79,6 +81,7 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
     from moejax.train.step import make_train_step
 
     t0 = time.perf_counter()
+    remat = cfg.train.remat if remat is None else remat
     saves = cfg.train.remat_saves
     concrete = mesh is not None
     gpu = AbstractDevice(device_kind=device_kind, num_cores=cores, platform="gpu") if platform == "cuda" else None
@@ -98,7 +101,8 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
             as_on_gpu.enter_context(jax.set_mesh(mesh) if compile else use_abstract_mesh(mesh))
             as_on_gpu.enter_context(targeting_gpu())
         step = make_train_step(cfg.model, optimizer, lr_fn, moe_backend(par, mesh), remat=remat and saves,
-                               context=1 if phase is None else phase.context, attention_kernel=attention_kernel(mesh),
+                               context=1 if phase is None else phase.context, scan_layers=cfg.train.scan_layers,
+                               attention_kernel=attention_kernel(mesh),
                                layer_weights=layer_weights(mesh))
         # the state donated, as the train loop does (so the compiled memory analysis is the real one)
         fn = jax.jit(step, in_shardings=(state_sh, bsh), out_shardings=(state_sh, None), donate_argnums=0)
@@ -129,8 +133,11 @@ def lower_train_step(cfg, remat: bool = True, platform: str = "cuda", mesh=None,
             "context": 1 if phase is None else phase.context,
             "batch": list(batch["tokens"].shape),
             "remat_saves": saves if remat else None, "opt_state_memory": cfg.train.opt_state_memory,
-            # W waves x (dispatch, return) x (forward, backward transposes, + what the remat re-forward reruns)
+            # W waves x (dispatch, return) x (forward, backward transposes, + what the remat re-forward reruns),
+            # once in a scanned layer body, in every layer unrolled
+            "scan_layers": cfg.train.scan_layers,
             "expected_all_to_all": (cfg.parallel.waves * ALL_TO_ALLS_PER_WAVE[saves if remat else "transport"]
+                                    * (1 if cfg.train.scan_layers else cfg.model.n_layers)
                                     if cfg.parallel.use_ep else 0)}
 
 
@@ -202,9 +209,10 @@ def format_lower(r: dict, hbm_bytes: float | None = None) -> str:
             f"lowered on {'a deviceless CUDA topology' if 'compiled' in r else 'an abstract mesh'} ({mesh}) = "
             f"{r['devices']} devices in {r['lower_s']:.1f} s (+{r['abstract_s']:.1f} s abstract state; "
             f"{r['wall_s']:.1f} s wall incl. interpreter start; peak RSS {r['max_rss_gb']:.2f} GB); "
-            f"{r['all_to_all']} all_to_all in the lowered text ({r['expected_all_to_all']} expected in the "
-            f"scanned layer: W waves x dispatch/return x forward/backward, + what the remat re-forward reruns "
-            f"with train.remat_saves={r['remat_saves']}); "
+            f"{r['all_to_all']} all_to_all in the lowered text ({r['expected_all_to_all']} expected "
+            f"{'in the scanned layer' if r['scan_layers'] else 'over the unrolled layers'}: W waves x "
+            f"dispatch/return x forward/backward, + what the remat re-forward reruns with "
+            f"train.remat_saves={r['remat_saves']}); "
             f"{r['gpu_kernels']} fused GPU kernel calls (attention per batch shard); "
             f"num_partitions {r['num_partitions']}; platform {r['platform']}")
     if "compiled" not in r:
