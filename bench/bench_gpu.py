@@ -42,7 +42,7 @@ import numpy as np
 
 from moejax import accounting, roofline
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
-from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
+from moejax.model.kernel_choice import ATTENTION, GROUPED, NEWTON_SCHULZ, chosen, kernel_impl
 from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak, measure_bandwidth
@@ -183,7 +183,8 @@ def main() -> int:
     bandwidth = measure_bandwidth(1 << 24 if jax.default_backend() == "cpu" else 1 << 28)  # past L2 on a GPU
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
-          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)}; memory bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)}, Newton-Schulz "
+          f"{kernel_impl(*NEWTON_SCHULZ)} (one-device runs); memory bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(in place)",
           flush=True)
     shapes = {"G": shape_g, "d1024": rung_d1024}

@@ -23,7 +23,8 @@ from moejax.ladder.lower import TRITON_CALL, abstract_train_inputs
 from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import MESH_AXES
 from moejax.presets import TINY, ladder_rung
-from moejax.train.optimizer import make_optimizer
+from moejax.train import ns_gpu
+from moejax.train.optimizer import make_optimizer, param_group
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
 from tests.helpers import toy_batch, toy_model
@@ -108,17 +109,41 @@ def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
     dq + dkv and the three expert matmuls' forward + dx + dw; remat reruns the four forwards."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_NS", "xla")  # the optimizer's kernel: test_newton_schulz_kernel_in_one_device_steps
+    step, state, batch, model = _toy_gpu_step(remat)
+    per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
+    assert _triton_calls(step, state, batch) == model.n_layers * per_layer
+    assert _loops(step, state, batch) == []  # unrolled layers: nothing loops on the device
+
+
+def _toy_gpu_step(remat: bool, parallel: ParallelConfig = ParallelConfig()):
     model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
                       shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
-    cfg = replace(TINY, model=model, train=replace(TINY.train, batch_size=2, seq_len=64))
+    cfg = replace(TINY, model=model, train=replace(TINY.train, batch_size=2, seq_len=64), parallel=parallel)
     optimizer, lr_fn = make_optimizer(cfg)
     state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
     batch = jax.eval_shape(lambda: toy_batch(model, batch=2, seq=64, doc_lens=((20, 44), (64,))))
     with kernel_choice.targeting_gpu():  # the step fixes its kernel choices when built
         step = make_train_step(model, optimizer, lr_fn, remat=remat, scan_layers=False)
-    per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
-    assert _triton_calls(step, state, batch) == model.n_layers * per_layer
-    assert _loops(step, state, batch) == []  # unrolled layers: nothing loops on the device
+    return step, state, batch, model
+
+
+def test_newton_schulz_kernel_in_one_device_steps(monkeypatch):
+    """On one GPU the hero optimizer's Newton-Schulz runs its polynomial through the fused kernel: 5 steps x
+    2 calls for every MuonH matrix stack; on a multi-device mesh it stays XLA by default (GSPMD would run a
+    custom call replicated over the sharded stacks)."""
+    for var in ("MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_NS"):
+        monkeypatch.delenv(var, raising=False)
+    step, state, batch, model = _toy_gpu_step(False)
+    model_calls = model.n_layers * ((1 + 2) + 3 * (1 + 2))
+    muonh = [p.shape[-2:] for path, p in jax.tree_util.tree_flatten_with_path(state.params)[0]
+             if param_group(path) == "muonh"]
+    # the toy's GatedNorm rank is 4: no power-of-two tile >= 16, so those matrices keep XLA
+    fit = [s for s in muonh if ns_gpu.shape_problem(min(s), min(s), max(s)) is None]
+    assert 0 < len(fit) < len(muonh)
+    assert _triton_calls(step, state, batch) == model_calls + 10 * len(fit)
+    step, state, batch, _ = _toy_gpu_step(False, ParallelConfig(data=2))
+    assert _triton_calls(step, state, batch) == model_calls
 
 
 def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
@@ -126,6 +151,7 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
     tokens: both kernels take its shapes (abstract shapes: nothing is allocated)."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_NS", "xla")  # counted in test_newton_schulz_kernel_in_one_device_steps
     cfg = ladder_rung(1024)
     cfg = replace(cfg, train=replace(cfg.train, batch_size=8, remat=True), parallel=ParallelConfig())
     optimizer, lr_fn = make_optimizer(cfg)

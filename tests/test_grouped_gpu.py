@@ -95,6 +95,10 @@ def test_kernels_equal_xla_block_path_with_several_tiles():
     np.testing.assert_allclose(run(grouped_gpu.matmul, x_BkbZ, w, e, c), y_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
     np.testing.assert_allclose(run(grouped_gpu.matmul_dx, dy_BkbF, w, e, c), dx_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
     np.testing.assert_allclose(run(grouped_gpu.matmul_dw, x_BkbZ, dy_BkbF, c), dw_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
+    # written in bf16 (as for bf16 weights): the fp32 result rounded once, bit for bit
+    dw_bf16 = jax.jit(lambda *a: grouped_gpu.matmul_dw(*a, tiles=SMALL, interpret=True, out_dtype=jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(dw_bf16(x_BkbZ, dy_BkbF, c), np.float32),
+                                  np.asarray(run(grouped_gpu.matmul_dw, x_BkbZ, dy_BkbF, c).astype(jnp.bfloat16), np.float32))
 
 
 def test_shapes_the_kernels_dont_take_are_an_error(kernel):

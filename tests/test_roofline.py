@@ -138,6 +138,8 @@ def test_pallas_grouped_gemm_flops():
     dy = "bf16[10,128,256]{2,1,0}"
     assert roofline.pallas_flops("moejax_grouped_dw", ["s32[4]", "s32[4]", x, dy], "f32[4,512,256]") == \
         2 * 10 * 128 * 512 * 256
+    a, b = "bf16[6,64,64]{2,1,0}", "bf16[6,64,256]{2,1,0}"
+    assert roofline.pallas_flops("moejax_ns_matmul_add", [a, b, b], b) == 2 * 6 * 64 * 64 * 256
     assert roofline.pallas_flops("some_other_kernel", [x], x) is None
 
 

@@ -196,8 +196,9 @@ def _by_case(stderr: str) -> dict[str, str]:
 # --- `python -m moejax.cuda_aot kernels`: each fused kernel, forward and backward, compiled for one GPU ----
 
 def _kernel_cases():
-    """(name, function, abstract args, Pallas calls expected in the compiled gradient): small shapes that
-    take every code path of the kernels; their Triton compile doesn't depend on the sizes beyond the tiles."""
+    """(name, function, abstract args, Pallas calls expected in the compiled gradient, or in the compiled
+    function for the optimizer's Newton-Schulz): small shapes that take every code path of the kernels; their
+    Triton compile doesn't depend on the sizes beyond the tiles."""
     import jax
     import jax.numpy as jnp
 
@@ -221,6 +222,12 @@ def _kernel_cases():
         # 3 forward matmuls (the down projection's is dead: sum's gradient doesn't read it), 3 dx, 3 dw
         return f, (sds((rows, width), dtype), sds((rows,), jnp.int32), w, w, w), 8
 
+    def newton_schulz_stack(shape):
+        from moejax.train.optimizer import newton_schulz
+
+        # 5 steps x (c G G + b G, B X + a X): 10 calls of two compiled kernels (alpha, beta are constants)
+        return lambda x: newton_schulz(x, kernel={}), (sds(shape, jnp.float32),), 10
+
     bf16, f32 = jnp.bfloat16, jnp.float32
     return [
         ("flash local bf16 (window 256, GQA 8/2)", *flash_grad(256, bf16, 2)),
@@ -230,6 +237,7 @@ def _kernel_cases():
         ("grouped SwiGLU bf16 E=64", *grouped_grad(64, bf16)),
         ("grouped SwiGLU bf16 E=384", *grouped_grad(384, bf16)),
         ("grouped SwiGLU fp32 E=64", *grouped_grad(64, f32)),
+        ("Newton-Schulz bf16 [8, 512, 512] stack", *newton_schulz_stack((8, 512, 512))),
     ]
 
 

@@ -121,6 +121,9 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     if kernel == "moejax_grouped_dw":  # (first, count, x [Bk,b,Z], dy [Bk,b,F])
         n_blocks, b, z = ops[2]
         return 2.0 * n_blocks * b * z * ops[3][-1]
+    if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])
+        n, m, k = ops[0]
+        return 2.0 * n * m * k * ops[1][-1]
     matmuls = {"moejax_flash_fwd": 2, "moejax_flash_dq": 3, "moejax_flash_dkv": 4}.get(kernel)
     if matmuls:  # q [B, S, H, D] is the first 4-d operand, k [B, Sk, G, D] the next; causal half
         q, k = [s for s in ops if len(s) == 4][:2]

@@ -1,6 +1,7 @@
 """Which implementation a fused-kernel op runs: the GPU kernel or the XLA path.
 
-One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED): the
+One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED, the
+optimizer's Newton-Schulz: MOEJAX_NS, whose default kernel is for single-device runs only): the
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
 everything else XLA; a kernel chosen off GPU runs interpreted. On several GPUs each kernel runs per device:
 its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
@@ -104,7 +105,8 @@ def run_interpreted() -> bool:
 # Every op with a GPU kernel: (environment variable, what the error calls it).
 ATTENTION = ("MOEJAX_ATTENTION", "attention")
 GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
-KERNEL_OPS = (ATTENTION, GROUPED)
+NEWTON_SCHULZ = ("MOEJAX_NS", "Newton-Schulz")  # the optimizer's (train.ns_gpu), on one device by default
+KERNEL_OPS = (ATTENTION, GROUPED, NEWTON_SCHULZ)
 
 
 def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ...] | None = None) -> None:

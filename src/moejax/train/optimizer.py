@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -39,6 +40,8 @@ import jax.numpy as jnp
 import optax
 
 from moejax.config import RunConfig
+from moejax.model import kernel_choice
+from moejax.train import ns_gpu
 from moejax.train.heuristic import optimizer_heuristic
 from moejax.train.schedule import warmup_linear_decay
 
@@ -96,15 +99,19 @@ def _weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: leaf_name(path) in WEIGHT_DECAY_FIELDS, params)
 
 
-def newton_schulz(x: jax.Array, ns_steps: int = 5) -> jax.Array:
+def newton_schulz(x: jax.Array, ns_steps: int = 5, kernel: dict | None = None) -> jax.Array:
     """Approximate orthogonalisation U V^T of each matrix over the last two dims, iterated in bf16.
 
     Leading dims are stacks (vmapped). Returns fp32. Singular values land roughly in [0.65, 1.15], not
     exactly 1 (the coefficients trade exactness for speed, Keller Jordan's Muon); singular values far
     below the largest (ill-conditioned inputs) grow by ~3.4x per step and may not reach that band.
+    `kernel`: keyword arguments of `ns_gpu.matmul_add` to run the polynomial's two GEMMs with their adds
+    fused (`_ns_kernel` says when), else XLA.
     """
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {x.shape}")
+    if kernel is not None:
+        return _newton_schulz_stacked(x, ns_steps, kernel)
     if x.ndim > 2:
         return jax.vmap(functools.partial(newton_schulz, ns_steps=ns_steps))(x)
     a, b, c = NS_COEFFS
@@ -119,6 +126,38 @@ def newton_schulz(x: jax.Array, ns_steps: int = 5) -> jax.Array:
     if transposed:
         x = x.T
     return x.astype(jnp.float32)
+
+
+def _newton_schulz_stacked(x: jax.Array, ns_steps: int, kernel: dict) -> jax.Array:
+    """`newton_schulz` on a [..., m, n] stack as one [N, m, n] batch, B = c G G + b G and X' = B X + a X in
+    `ns_gpu.matmul_add` (the Gram matrix X X^T stays an XLA GEMM)."""
+    a, b, c = NS_COEFFS
+    shape = x.shape
+    x = x.reshape(-1, *shape[-2:]).astype(jnp.float32)
+    x = (x / (_matrix_norm(x) + _NS_EPS)).astype(jnp.bfloat16)
+    transposed = shape[-2] > shape[-1]
+    if transposed:
+        x = jnp.swapaxes(x, -1, -2)
+    for _ in range(ns_steps):
+        gram = jnp.einsum("nik,njk->nij", x, x)
+        x = ns_gpu.matmul_add(ns_gpu.matmul_add(gram, gram, gram, c, b, **kernel), x, x, 1.0, a, **kernel)
+    if transposed:
+        x = jnp.swapaxes(x, -1, -2)
+    return x.astype(jnp.float32).reshape(shape)
+
+
+def _ns_kernel(u: jax.Array, one_device: bool) -> dict | None:
+    """`ns_gpu.matmul_add`'s keyword arguments when it runs this matrix stack's Newton-Schulz, else None.
+    MOEJAX_NS chooses by the `kernel_choice` rule; left to the default (the kernel on a GPU), only when the
+    run has one device: the optimizer's arrays are global (GSPMD lays out their math), and a custom call left
+    to GSPMD runs replicated, which on sharded expert stacks would gather every expert to every device. A
+    shape the kernel can't take (a width with no power-of-two tile >= 16) keeps XLA, for that matrix only."""
+    chosen = kernel_choice.kernel_impl(*kernel_choice.NEWTON_SCHULZ) == "gpu_kernel"
+    explicit = bool(os.environ.get(kernel_choice.NEWTON_SCHULZ[0]))
+    m, n = sorted(u.shape[-2:])
+    if not chosen or not (one_device or explicit) or ns_gpu.shape_problem(m, m, n):  # [m, m] @ [m, n], m <= n
+        return None
+    return dict(interpret=kernel_choice.run_interpreted())
 
 
 def newton_schulz_flops(params: Any, ns_steps: int = 5) -> float:
@@ -138,13 +177,14 @@ def _shape_scale(u: jax.Array) -> float:
     return max(1.0, fan_out / fan_in) ** 0.5
 
 
-def scale_by_newton_schulz(ns_steps: int = 5) -> optax.GradientTransformation:
-    """Stateless: u -> sqrt(max(1, fan_out/fan_in)) * NS(u) per matrix (MuonH direction)."""
+def scale_by_newton_schulz(ns_steps: int = 5, one_device: bool = False) -> optax.GradientTransformation:
+    """Stateless: u -> sqrt(max(1, fan_out/fan_in)) * NS(u) per matrix (MuonH direction). `one_device`: the
+    run has a single device, so the GPU kernel may run by default (`_ns_kernel`; chosen when traced)."""
 
     def update_fn(updates, state, params=None):
         del params
         def direction(u):
-            return _shape_scale(u) * newton_schulz(u, ns_steps)
+            return _shape_scale(u) * newton_schulz(u, ns_steps, _ns_kernel(u, one_device))
 
         return jax.tree.map(direction, updates), state
 
@@ -187,13 +227,14 @@ def scale_by_hyperball(learning_rate: optax.ScalarOrSchedule) -> optax.GradientT
 
 def hero_optimizer(*, adam_lr: optax.ScalarOrSchedule, muonh_lr: optax.ScalarOrSchedule, b1: float, b2: float,
                    eps: float, ns_steps: int = 5, nesterov_momentum: float = 0.95,
-                   weight_decay: float = 0.0) -> optax.GradientTransformation:
+                   weight_decay: float = 0.0, one_device: bool = False) -> optax.GradientTransformation:
     """SPEC §4 optimizer: MuonH / AdamH / Adam partitioned by `param_group` (the router bias frozen).
 
     The learning rates are peaks or schedules (`make_optimizer` passes the warmup + linear-decay ones).
     AdamH (the LM head) runs at `muonh_lr`: both hyperball groups take relative steps of the same size
     (the reference recipe; on the hero 3.05e-3 per step, where adam_lr would give 7.04e-4).
     `weight_decay` > 0 adds decoupled (lr-scaled, optax.adamw) decay to `head_gate` and `router` only.
+    `one_device`: a single-device run, where Newton-Schulz takes its GPU kernel by default (`_ns_kernel`).
     """
     if weight_decay < 0:
         raise ValueError(f"weight_decay ({weight_decay}) must be non-negative")
@@ -201,7 +242,7 @@ def hero_optimizer(*, adam_lr: optax.ScalarOrSchedule, muonh_lr: optax.ScalarOrS
         {
             "muonh": optax.chain(
                 optax.trace(decay=nesterov_momentum, nesterov=True),
-                scale_by_newton_schulz(ns_steps),
+                scale_by_newton_schulz(ns_steps, one_device),
                 scale_by_hyperball(muonh_lr),
             ),
             "adamh": optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_hyperball(muonh_lr)),
@@ -230,7 +271,7 @@ def make_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, dict[s
         hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
         lr_fns = {"muonh": sched(hp.muonh_lr), "adam": sched(hp.adam_lr)}
         opt = hero_optimizer(adam_lr=lr_fns["adam"], muonh_lr=lr_fns["muonh"], b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
-                             weight_decay=t.weight_decay)
+                             weight_decay=t.weight_decay, one_device=cfg.parallel.n_devices == 1)
         return opt, lr_fns
     lr_fns = {"adam": sched(t.learning_rate)}
     labels = lambda params: jax.tree_util.tree_map_with_path(lambda path, _: _frozen_or("adam", path), params)

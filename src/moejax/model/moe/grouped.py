@@ -187,8 +187,8 @@ def _block_matmul_bwd(res, dy_BkbF):
     kernel = _kernel(x_BkbZ, w_EZF)
     if kernel is not None:
         dx_BkbZ = grouped_gpu.matmul_dx(dy_BkbF, w_EZF, expert_Bk, blocks_E, **kernel).astype(x_BkbZ.dtype)
-        dw_EZF = grouped_gpu.matmul_dw(x_BkbZ, dy_BkbF, blocks_E, **kernel)
-        return dx_BkbZ, dw_EZF.astype(w_EZF.dtype), None, None
+        dw_EZF = grouped_gpu.matmul_dw(x_BkbZ, dy_BkbF, blocks_E, **kernel, out_dtype=w_EZF.dtype)
+        return dx_BkbZ, dw_EZF, None, None
     dx_BkbZ = jnp.einsum("nbf,nzf->nbz", dy_BkbF, w_EZF[expert_Bk])
     dw_BkZF = jnp.einsum("nbz,nbf->nzf", x_BkbZ, dy_BkbF, preferred_element_type=jnp.float32)
     dw_EZF = jax.ops.segment_sum(dw_BkZF, expert_Bk, num_segments=w_EZF.shape[0], indices_are_sorted=True)
