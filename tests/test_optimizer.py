@@ -13,8 +13,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from moejax.train.heuristic import optimizer_heuristic
 from moejax.config import apply_overrides
 from moejax.presets import preset
-from moejax.train.optimizer import (hero_optimizer, make_optimizer, newton_schulz, param_group, param_labels,
-                                    scale_by_hyperball)
+from moejax.train.optimizer import (hero_optimizer, hyperball_delta, make_optimizer, newton_schulz, param_group,
+                                    param_labels, scale_by_hyperball)
 from moejax.train.schedule import warmup_linear_decay
 
 HEURISTIC_RTOL = 1e-3  # the brief's hero numbers are quoted to 2-3 significant digits
@@ -23,6 +23,7 @@ SCHEDULE_RTOL = 1e-6
 NS_SINGULAR_BAND = (0.6, 1.3)  # quintic NS deliberately stops short of exact orthogonality
 BF16_NS_RTOL = 2e-2  # bf16 iterations, stacked vs per-matrix call (different fusion / op order)
 NORM_RTOL = 1e-5  # fp32 hyperball renormalisation over several steps
+EXPANDED_NORM_RTOL = 1e-6  # new params by the expanded norm vs by the explicit one: a few fp32 roundings
 STEP_RTOL = 1e-2  # ||W' - W|| = lr ||W|| up to the O(lr^2) renormalisation
 # AdamH relative step vs the lr: the O(lr^2/2) renormalisation (~1e-4 at lr 1.3e-2) and the radial part of a
 # random sign-like direction (cos ~ 1/sqrt(64*96)) -- far below adam_lr/muonh_lr = 3/13.
@@ -193,6 +194,19 @@ def test_hyperball_step_moves_by_lr_relative():
     delta, _ = tx.update(u, tx.init(w), w)
     np.testing.assert_allclose(np.linalg.norm(delta, axis=(-2, -1)), lr * np.linalg.norm(w, axis=(-2, -1)),
                                rtol=STEP_RTOL)
+
+
+def test_hyperball_renormalises_like_the_explicit_norm():
+    """The step renormalises by ||w - step u|| expanded from ||w||^2, ||u||^2 and <w, u> (one pass fewer over
+    the matrix): the same as normalising the moved matrix explicitly, at relative steps up to 0.5."""
+    w = jax.random.normal(jax.random.key(4), (4, 16, 32)) * jnp.arange(1.0, 5.0)[:, None, None]
+    u = jax.random.normal(jax.random.key(5), (4, 16, 32)) + 0.3 * w  # partly along w, as gradients are
+    norm = lambda x: jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
+    for lr in (1e-3, 3e-2, 0.5):
+        moved = w - lr * u * norm(w) / norm(u)
+        explicit = moved * norm(w) / norm(moved)
+        np.testing.assert_allclose(w + hyperball_delta(u, w, jnp.float32(lr)), explicit, rtol=EXPANDED_NORM_RTOL,
+                                   atol=EXPANDED_NORM_RTOL * float(jnp.abs(w).max()))
 
 
 def test_adam_group_matches_optax_adam(trained):
