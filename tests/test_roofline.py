@@ -153,3 +153,16 @@ def test_kernel_name_found_through_autodiff_wrappers():
     for attrs, name in names.items():
         assert roofline.KERNEL_NAME.search(attrs).group(1) == name
     assert roofline.KERNEL_NAME.search('op_name="jit(step)/custom_kernel/pallas_call"') is None
+
+
+def test_fp32_dots_at_their_own_rate():
+    """On a GPU a dot of fp32 operands runs at the TF32 rate, half the bf16 peak: a compute-bound fp32 dot
+    takes twice as long; a bf16 one (fp32 out) is unchanged."""
+    a, b = jnp.ones((256, 256)), jnp.ones((256, 256))
+    f32 = _compiled(lambda a, b: a @ b, a, b).as_text()
+    bf16 = _compiled(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32),
+                     a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)).as_text()
+    slow_bytes = dict(peak_flops=1e9, bandwidth=1e15)  # compute-bound
+    for text, factor in ((f32, 2.0), (bf16, 1.0)):
+        base = roofline.estimate(text, **slow_bytes)["seconds"]
+        assert roofline.estimate(text, **slow_bytes, f32_dot_peak=0.5e9)["seconds"] == pytest.approx(factor * base)

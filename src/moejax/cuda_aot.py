@@ -138,8 +138,9 @@ def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10) ->
 
     m = compiled.memory_analysis()
     text = compiled.as_text()
-    est = roofline.estimate(text, roofline.GPU_PEAKS[device_kind], TARGETS[device_kind]["bandwidth"],
-                            roofline.GPU_LAUNCH_S)
+    peak = roofline.GPU_PEAKS[device_kind]
+    est = roofline.estimate(text, peak, TARGETS[device_kind]["bandwidth"], roofline.GPU_LAUNCH_S,
+                            f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION)
     est["items"] = est["items"][:top]
     kernels: dict[str, int] = {}
     for line in text.splitlines():

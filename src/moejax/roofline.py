@@ -38,6 +38,9 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s4": 1, "u4": 1, "token": 0}
 # Dense bf16 matmul peak (vendor figure, no sparsity) and HBM bandwidth, for `moejax plan --compile`.
 GPU_PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA GB200": 2.5e15}
+# A dot with fp32 operands runs on a GPU's TF32 tensor cores (jax's default precision there), at half the bf16
+# rate: the datasheets' dense TF32 figures. The step has a few (the LM head's backward, in fp32 by SPEC §6).
+GPU_F32_DOT_FRACTION = 0.5
 GPU_LAUNCH_S = 3e-6  # per kernel; CUDA graphs can hide some of it
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -167,8 +170,10 @@ class Cost:
 
 
 class _Walker:
-    def __init__(self, comps: dict[str, list[Instr]], peak: float, bw: float, launch: float, count_trips: bool):
+    def __init__(self, comps: dict[str, list[Instr]], peak: float, bw: float, launch: float, count_trips: bool,
+                 f32_peak: float | None = None):
         self.comps, self.peak, self.bw, self.launch, self.count_trips = comps, peak, bw, launch, count_trips
+        self.f32_peak = f32_peak or peak
         self.shapes = {i.name: i.type for c in comps.values() for i in c}
 
     def computation(self, name: str) -> Cost:
@@ -197,7 +202,14 @@ class _Walker:
             cost.merge(self.computation(ins.called("to_apply")[0]))
             return
         flops, moved = self.kernel(ins, cost)
-        cost.add(self.label(ins), flops, moved, self.peak, self.bw, self.launch)
+        peak = self.f32_peak if self.f32_peak != self.peak and self._f32_dots(ins) else self.peak
+        cost.add(self.label(ins), flops, moved, peak, self.bw, self.launch)
+
+    def _f32_dots(self, ins: Instr) -> bool:
+        """Whether this kernel's dot (or the dot of its fused body) multiplies fp32 operands."""
+        dots = [ins] if ins.op == "dot" else [i for i in self.comps[ins.called("calls")[0]] if i.op == "dot"] \
+            if ins.op == "fusion" else []
+        return any(self.shapes.get(d.operands[0], "").startswith("f32[") for d in dots)
 
     def kernel(self, ins: Instr, cost: Cost) -> tuple[float, float]:
         operand_types = [self.shapes.get(o, "") for o in ins.operands]
@@ -275,14 +287,16 @@ def _short_op_name(op_name: str) -> str:
 
 
 def estimate(hlo_text: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0,
-             count_trips: bool = True) -> dict:
+             count_trips: bool = True, f32_dot_peak: float | None = None) -> dict:
     """The roofline estimate of one run of the compiled program `hlo_text` (its `as_text()`) on a device of
     `peak_flops` FLOP/s and `bandwidth` bytes/s, `launch_s` seconds per kernel: seconds, FLOPs, bytes,
     kernels, the time of compute-bound and memory-bound kernels, per part of a train step and per label
     (kernel name, or op kind and the jax op it came from) [seconds, FLOPs, bytes, count], largest first.
-    `count_trips` False: every loop body once, as XLA's own cost analysis counts (to compare with it)."""
+    `count_trips` False: every loop body once, as XLA's own cost analysis counts (to compare with it).
+    `f32_dot_peak`: the rate of dots with fp32 operands, if not `peak_flops` (a GPU's TF32 rate beside its bf16
+    peak: `GPU_F32_DOT_FRACTION`); Pallas kernels are taken at `peak_flops`."""
     comps, entry = parse(hlo_text)
-    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips).computation(entry)
+    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips, f32_dot_peak).computation(entry)
     top = sorted(cost.items.items(), key=lambda kv: -kv[1][0])
     phases: dict[str, list[float]] = {}
     for label, row in top:
