@@ -1,6 +1,7 @@
 """The GPU grouped-GEMM kernels (moejax.model.moe.grouped_gpu), run by the Pallas interpreter on CPU, equal
 fp32 references and the XLA block path: values and every gradient, unaligned groups, empty experts, E=384."""
 
+import functools
 import os
 
 import jax
@@ -12,6 +13,7 @@ from moejax.config import ConfigError
 from moejax.model import kernel_choice
 from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
 from moejax.model.moe import grouped_gpu
+from moejax.model.layers import swiglu_act
 from moejax.model.moe.grouped import block_matmul, grouped_swiglu, make_layout, to_blocks
 from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem, per_row_reference
 
@@ -29,9 +31,10 @@ def kernel(monkeypatch):
 
 
 def _uses_kernel(fn, *args) -> bool:
-    """Whether fn's forward and gradient run every grouped kernel (forward, dx and dw), none on the einsums."""
+    """Whether fn's forward and gradient run every grouped kernel (forward, dx and dw; the down projection's
+    with the activation fused: `_act`), none on the einsums."""
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1)))(*args))
-    counts = [jaxpr.count(f"name={name}\n") for name in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_dw")]
+    counts = [jaxpr.count(f"name={name}") for name in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_dw")]
     assert len(set(counts)) == 1, f"kernel calls fwd/dx/dw {counts}: part of the path fell back"
     return counts[0] > 0
 
@@ -99,6 +102,32 @@ def test_kernels_equal_xla_block_path_with_several_tiles():
     dw_bf16 = jax.jit(lambda *a: grouped_gpu.matmul_dw(*a, tiles=SMALL, interpret=True, out_dtype=jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(dw_bf16(x_BkbZ, dy_BkbF, c), np.float32),
                                   np.asarray(run(grouped_gpu.matmul_dw, x_BkbZ, dy_BkbF, c).astype(jnp.bfloat16), np.float32))
+
+
+def test_activation_kernels_equal_the_xla_composition_with_several_tiles():
+    """The down projection with SwiGLU's activation fused (forward, (d_gate, d_up) and dw) against the XLA
+    path's block_matmul(swiglu_act(g, u), w) and its VJP, fp32, tiles smaller than the widths, unused tail
+    blocks; and the grouped SwiGLU on the kernels runs each fused kernel once."""
+    x, expert_A, (_, _, w_down), _ = _problem(5, UNALIGNED, Z=48, F=32)
+    layout = make_layout(expert_A, len(UNALIGNED), 16)
+    e, c = layout.expert_Bk, layout.blocks_E
+    keys = jax.random.split(jax.random.key(6), 3)
+    g, u = (to_blocks(jax.random.normal(k, (x.shape[0], 32)), layout) for k in keys[:2])
+    dy = to_blocks(jax.random.normal(keys[2], (x.shape[0], 48)), layout)
+    y_ref, vjp = jax.vjp(lambda g, u, w: block_matmul(swiglu_act(g, u), w, e, c), g, u, w_down)  # XLA on CPU
+    dg_ref, du_ref, dw_ref = vjp(dy)
+    run = lambda f, *a, **k: jax.jit(lambda *a: f(*a, tiles=SMALL, interpret=True, **k))(*a)
+    close = functools.partial(np.testing.assert_allclose, rtol=RTOL_FP32, atol=ATOL_FP32)
+    close(run(grouped_gpu.matmul_act, g, u, w_down, e, c), y_ref)
+    dg, du = run(grouped_gpu.matmul_dx_act, dy, w_down, g, u, e, c)
+    close(dg, dg_ref)
+    close(du, du_ref)
+    close(run(grouped_gpu.matmul_dw_act, g, u, dy, c), dw_ref)
+    with chosen(GROUPED[0], "gpu_kernel"):
+        x, expert_A, ws, _ = _problem(0, UNALIGNED, Z=32, F=64)
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(grouped_swiglu(x, expert_A, w, *ws[1:])),
+                                            argnums=(0, 1)))(x, ws[0]))
+    assert [jaxpr.count(f"name=moejax_grouped_{k}_act") for k in ("fwd", "dx", "dw")] == [1, 1, 1]
 
 
 def test_shapes_the_kernels_dont_take_are_an_error(kernel):

@@ -29,12 +29,15 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
   is a gather through the other map, not the scatter-add autodiff would emit.
 
 On GPUs the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
-`grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary);
-MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
+`grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary), and the
+SwiGLU activation moves into the down projection's kernels (`_swiglu_down`: never stored, its derivative in
+dx's epilogue); MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
 least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -200,10 +203,38 @@ block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 
 def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZF: Float[Array, "E Z F"],
                   w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"]) -> Float[Array, "Bk b Z"]:
-    """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero."""
+    """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero. On the
+    GPU kernels the activation lives inside the down projection's kernels (`_swiglu_down`)."""
     mm = lambda x, w: block_matmul(x, w, layout.expert_Bk, layout.blocks_E)
-    h_BkbF = swiglu_act(mm(x_BkbZ, w_gate_EZF), mm(x_BkbZ, w_up_EZF))
-    return mm(h_BkbF, w_down_EFZ)
+    g_BkbF, u_BkbF = mm(x_BkbZ, w_gate_EZF), mm(x_BkbZ, w_up_EZF)
+    kernel = _kernel(g_BkbF, w_down_EFZ)
+    if kernel is None:
+        return mm(swiglu_act(g_BkbF, u_BkbF), w_down_EFZ)
+    return _swiglu_down(g_BkbF, u_BkbF, w_down_EFZ, layout.expert_Bk, layout.blocks_E, kernel["interpret"])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _swiglu_down(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret: bool):
+    """block_matmul(swiglu_act(g, u), w) on the kernels, the activation never stored: made in the forward's
+    and the weight gradient's prologue, its derivative in dx's epilogue (`grouped_gpu.matmul_*_act`). The
+    same values as the composition, up to where bf16 rounds: the activation once from fp32, dh not at all."""
+    return grouped_gpu.matmul_act(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret=interpret)
+
+
+def _swiglu_down_fwd(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret):
+    return _swiglu_down(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret), (g_BkbF, u_BkbF, w_EFZ, expert_Bk,
+                                                                                  blocks_E)
+
+
+def _swiglu_down_bwd(interpret, res, dy_BkbZ):
+    g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E = res
+    dg_BkbF, du_BkbF = grouped_gpu.matmul_dx_act(dy_BkbZ, w_EFZ, g_BkbF, u_BkbF, expert_Bk, blocks_E,
+                                                 interpret=interpret)
+    dw_EFZ = grouped_gpu.matmul_dw_act(g_BkbF, u_BkbF, dy_BkbZ, blocks_E, interpret=interpret, out_dtype=w_EFZ.dtype)
+    return dg_BkbF, du_BkbF, dw_EFZ, None, None
+
+
+_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
 
 
 def grouped_swiglu(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_gate_EZF, w_up_EZF, w_down_EFZ,
