@@ -106,12 +106,13 @@ def test_flash_attention_lowers_to_triton(window):
 def test_train_step_lowers_with_both_kernels(remat, monkeypatch):
     """The whole train step (hero optimizer, bf16, unrolled layers) lowered for CUDA with both kernels
     chosen runs every layer's attention and expert matmuls through Triton: per layer, attention forward +
-    dq + dkv and the three expert matmuls' forward + dx + dw; remat reruns the four forwards."""
+    dq + dkv and the two expert matmuls' forward + dx + dw (gate and up as one; the down projection with
+    SwiGLU's activation fused); remat reruns the three forwards."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_NS", "xla")  # the optimizer's kernel: test_newton_schulz_kernel_in_one_device_steps
     step, state, batch, model = _toy_gpu_step(remat)
-    per_layer = (1 + 2) + 3 * (1 + 2) + (4 if remat else 0)
+    per_layer = (1 + 2) + 2 * (1 + 2) + (3 if remat else 0)
     assert _triton_calls(step, state, batch) == model.n_layers * per_layer
     assert _loops(step, state, batch) == []  # unrolled layers: nothing loops on the device
 
@@ -135,7 +136,7 @@ def test_newton_schulz_kernel_in_one_device_steps(monkeypatch):
     for var in ("MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_NS"):
         monkeypatch.delenv(var, raising=False)
     step, state, batch, model = _toy_gpu_step(False)
-    model_calls = model.n_layers * ((1 + 2) + 3 * (1 + 2))
+    model_calls = model.n_layers * ((1 + 2) + 2 * (1 + 2))
     muonh = [p.shape[-2:] for path, p in jax.tree_util.tree_flatten_with_path(state.params)[0]
              if param_group(path) == "muonh"]
     # the toy's GatedNorm rank is 4: no power-of-two tile >= 16, so those matrices keep XLA
@@ -161,10 +162,10 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
     batch["loss_mask"] = _spec(shape, jnp.bool_)
     with kernel_choice.targeting_gpu():
         step = make_train_step(cfg.model, optimizer, lr_fn, remat=True, scan_layers=cfg.train.scan_layers)
-    # One scanned body: both attention kinds under the lax.cond (forward + remat forward each), three expert
-    # matmuls (forward + remat forward, dx, dw).
+    # One scanned body: both attention kinds under the lax.cond (forward + remat forward each), two expert
+    # matmuls (gate and up as one, the down projection with the activation; forward + remat forward, dx, dw).
     assert cfg.model.n_experts == 384 and cfg.train.scan_layers
-    assert _triton_calls(step, state, batch) == 2 * (2 + 1 + 1) + 3 * (2 + 1 + 1)
+    assert _triton_calls(step, state, batch) == 2 * (2 + 1 + 1) + 2 * (2 + 1 + 1)
     # the layer scan and the loss streamed over vocab blocks, forward and backward; nothing loops inside them
     vocab_blocks = -(-cfg.model.vocab_size // cfg.model.loss_vocab_block)
     loops = _loops(step, state, batch)
@@ -198,8 +199,8 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     # The grouped GEMM's blocks are one shard's 64 tokens x top-2, not the batch's 512 x 2.
     rows = 64 * model.top_k
     b = default_block(rows, model.n_experts, grouped_gpu.MIN_TILE)
-    shard_blocks = f"tensor<{(rows + model.n_experts * (b - 1)) // b}x{b}x32xbf16>"
+    shard_blocks = f"tensor<{(rows + model.n_experts * (b - 1)) // b}x{b}x"  # [Bk, b, ...] of one shard's rows
     grouped = [o for o in operands if o not in attention]
     assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
-    assert len(grouped) == (model.n_layers * 3 * 3 if par.resolved_backend == "local" else 0)
+    assert len(grouped) == (model.n_layers * 2 * 3 if par.resolved_backend == "local" else 0)
     assert _jaxpr_loops(traced.jaxpr) == []  # nor in the EP transport's ranking

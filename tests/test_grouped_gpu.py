@@ -107,27 +107,30 @@ def test_kernels_equal_xla_block_path_with_several_tiles():
 def test_activation_kernels_equal_the_xla_composition_with_several_tiles():
     """The down projection with SwiGLU's activation fused (forward, (d_gate, d_up) and dw) against the XLA
     path's block_matmul(swiglu_act(g, u), w) and its VJP, fp32, tiles smaller than the widths, unused tail
-    blocks; and the grouped SwiGLU on the kernels runs each fused kernel once."""
+    blocks; and the grouped SwiGLU on the kernels runs three matmuls' kernels, not four."""
     x, expert_A, (_, _, w_down), _ = _problem(5, UNALIGNED, Z=48, F=32)
     layout = make_layout(expert_A, len(UNALIGNED), 16)
     e, c = layout.expert_Bk, layout.blocks_E
     keys = jax.random.split(jax.random.key(6), 3)
     g, u = (to_blocks(jax.random.normal(k, (x.shape[0], 32)), layout) for k in keys[:2])
+    gu = jnp.stack([g, u], axis=2)  # [Bk, b, 2, F]: gate and up side by side, as the kernel path has them
     dy = to_blocks(jax.random.normal(keys[2], (x.shape[0], 48)), layout)
     y_ref, vjp = jax.vjp(lambda g, u, w: block_matmul(swiglu_act(g, u), w, e, c), g, u, w_down)  # XLA on CPU
     dg_ref, du_ref, dw_ref = vjp(dy)
     run = lambda f, *a, **k: jax.jit(lambda *a: f(*a, tiles=SMALL, interpret=True, **k))(*a)
     close = functools.partial(np.testing.assert_allclose, rtol=RTOL_FP32, atol=ATOL_FP32)
-    close(run(grouped_gpu.matmul_act, g, u, w_down, e, c), y_ref)
-    dg, du = run(grouped_gpu.matmul_dx_act, dy, w_down, g, u, e, c)
-    close(dg, dg_ref)
-    close(du, du_ref)
-    close(run(grouped_gpu.matmul_dw_act, g, u, dy, c), dw_ref)
+    close(run(grouped_gpu.matmul_act, gu, w_down, e, c), y_ref)
+    dgu = run(grouped_gpu.matmul_dx_act, dy, w_down, gu, e, c)
+    close(dgu[:, :, 0], dg_ref)
+    close(dgu[:, :, 1], du_ref)
+    close(run(grouped_gpu.matmul_dw_act, gu, dy, c), dw_ref)
     with chosen(GROUPED[0], "gpu_kernel"):
         x, expert_A, ws, _ = _problem(0, UNALIGNED, Z=32, F=64)
         jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(grouped_swiglu(x, expert_A, w, *ws[1:])),
                                             argnums=(0, 1)))(x, ws[0]))
     assert [jaxpr.count(f"name=moejax_grouped_{k}_act") for k in ("fwd", "dx", "dw")] == [1, 1, 1]
+    # gate and up as one matmul against both weights: one forward, one dx and one dw kernel for the pair
+    assert [jaxpr.count(f"name=moejax_grouped_{k}\n") for k in ("fwd", "dx", "dw")] == [1, 1, 1]
 
 
 def test_shapes_the_kernels_dont_take_are_an_error(kernel):
@@ -182,7 +185,8 @@ def test_a_step_keeps_the_kernel_choice_it_was_built_with(monkeypatch):
     params, batch = Transformer.init(model, jax.random.key(0)), toy_batch(model)
     bytes_per_token = jnp.ones((model.vocab_size,), jnp.float32)
     calls = lambda step: str(jax.make_jaxpr(step)(params, batch, bytes_per_token)).count("pallas_call[")
-    for built, later, kernels in (("gpu_kernel", "xla", 3), ("xla", "gpu_kernel", 0)):
+    # the forward's two expert kernels: gate and up as one matmul, the down projection with the activation
+    for built, later, kernels in (("gpu_kernel", "xla", 2), ("xla", "gpu_kernel", 0)):
         monkeypatch.setenv("MOEJAX_GROUPED", built)
         step = make_eval_step(model)
         monkeypatch.setenv("MOEJAX_GROUPED", later)

@@ -123,8 +123,9 @@ def test_model_with_both_kernels_per_batch_shard_equals_xla(monkeypatch):
     placed_params = jax.device_put(params, NamedSharding(mesh, REPLICATED))
     placed_batch = jax.device_put(batch, NamedSharding(mesh, BATCH_SPEC))
     got, kernels = loss_and_grads(local_backend(mesh), attention_kernel(mesh), placed_params, placed_batch)
-    # attention fwd, dq, dkv; 3 expert matmuls' fwd, dx, dw: all per shard, none left to GSPMD
-    assert kernels == {False: 0, True: model.n_layers * (3 + 3 * 3)}
+    # attention fwd, dq, dkv; 2 expert matmuls' (gate and up as one; the down projection with the activation)
+    # fwd, dx, dw: all per shard, none left to GSPMD
+    assert kernels == {False: 0, True: model.n_layers * (3 + 2 * 3)}
     (loss_k, stats_k), grads_k = got
     (loss_x, stats_x), grads_x = want
     np.testing.assert_allclose(loss_k, loss_x, rtol=RTOL_FP32)
@@ -139,16 +140,17 @@ def test_the_loops_steps_run_every_kernel_per_batch_shard(axes, monkeypatch):
     """The train loop's own jitted steps (`loop.step_functions`) on 8 devices with both kernels chosen: every
     kernel call sits inside a batch-shard shard_map, none is left to GSPMD (which would run it replicated,
     every device on the whole batch). Per layer: training, attention fwd + dq + dkv and, on the local path,
-    3 expert matmuls x fwd + dx + dw; evaluation, the forwards (eval_dropless: the local path)."""
+    2 expert matmuls (gate and up as one, the down projection with the activation) x fwd + dx + dw;
+    evaluation, the forwards (eval_dropless: the local path)."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
     model = toy_model(n_layers=2, window=12)
     cfg, state, batch, step_fn, eval_fns = loop_steps(model, ParallelConfig(**axes), batch_size=8, seq_len=32)
     local = cfg.parallel.resolved_backend == "local"
     train = _pallas_calls(step_fn(cfg.phases[0]).trace(state, batch).jaxpr.jaxpr)  # top level: compiler_options
-    assert train == {False: 0, True: model.n_layers * (3 + (9 if local else 0))}
+    assert train == {False: 0, True: model.n_layers * (3 + (6 if local else 0))}
     bytes_per_token = jnp.ones((model.vocab_size,), jnp.float32)
-    want_eval = {"eval/": 1 + (3 if local else 0), "eval_dropless/": 1 + 3}
+    want_eval = {"eval/": 1 + (2 if local else 0), "eval_dropless/": 1 + 2}
     assert set(eval_fns) == ({"eval/"} if local else {"eval/", "eval_dropless/"})
     for prefix, fn in eval_fns.items():
         calls = _pallas_calls(fn.trace(state.compute, batch, bytes_per_token).jaxpr.jaxpr)

@@ -138,11 +138,11 @@ def test_pallas_grouped_gemm_flops():
     dy = "bf16[10,128,256]{2,1,0}"
     assert roofline.pallas_flops("moejax_grouped_dw", ["s32[4]", "s32[4]", x, dy], "f32[4,512,256]") == \
         2 * 10 * 128 * 512 * 256
-    g = "bf16[10,128,256]{2,1,0}"  # the activation-fused down projection: gate and up in, x's width 256
-    assert roofline.pallas_flops("moejax_grouped_fwd_act", [e, e, g, g, "bf16[4,256,512]"], x) == 2 * 10 * 128 * 256 * 512
-    assert roofline.pallas_flops("moejax_grouped_dx_act", [e, e, x, "bf16[4,256,512]", g, g], f"({g}, {g})") == \
+    gu = "bf16[10,128,2,256]{3,2,1,0}"  # the activation-fused down projection: gate and up in, width 256
+    assert roofline.pallas_flops("moejax_grouped_fwd_act", [e, e, gu, "bf16[4,256,512]"], x) == 2 * 10 * 128 * 256 * 512
+    assert roofline.pallas_flops("moejax_grouped_dx_act", [e, e, x, "bf16[4,256,512]", gu], gu) == \
         2 * 10 * 128 * 512 * 256
-    assert roofline.pallas_flops("moejax_grouped_dw_act", ["s32[4]", "s32[4]", g, g, x], "f32[4,256,512]") == \
+    assert roofline.pallas_flops("moejax_grouped_dw_act", ["s32[4]", "s32[4]", gu, x], "f32[4,256,512]") == \
         2 * 10 * 128 * 256 * 512
     a, b = "bf16[6,64,64]{2,1,0}", "bf16[6,64,256]{2,1,0}"
     assert roofline.pallas_flops("moejax_ns_matmul_add", [a, b, b], b) == 2 * 6 * 64 * 64 * 256

@@ -30,8 +30,8 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
 
 On GPUs the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
 `grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary), and the
-SwiGLU activation moves into the down projection's kernels (`_swiglu_down`: never stored, its derivative in
-dx's epilogue); MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
+gate and up run as one matmul against their weights side by side, and the SwiGLU activation moves into the
+down projection's kernels (`_swiglu_down`: never stored, its derivative in dx's epilogue); MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
 least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
 """
 
@@ -206,32 +206,35 @@ def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZ
     """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero. On the
     GPU kernels the activation lives inside the down projection's kernels (`_swiglu_down`)."""
     mm = lambda x, w: block_matmul(x, w, layout.expert_Bk, layout.blocks_E)
-    g_BkbF, u_BkbF = mm(x_BkbZ, w_gate_EZF), mm(x_BkbZ, w_up_EZF)
-    kernel = _kernel(g_BkbF, w_down_EFZ)
+    kernel = _kernel(x_BkbZ, w_gate_EZF)
     if kernel is None:
-        return mm(swiglu_act(g_BkbF, u_BkbF), w_down_EFZ)
-    return _swiglu_down(g_BkbF, u_BkbF, w_down_EFZ, layout.expert_Bk, layout.blocks_E, kernel["interpret"])
+        return mm(swiglu_act(mm(x_BkbZ, w_gate_EZF), mm(x_BkbZ, w_up_EZF)), w_down_EFZ)
+    # One matmul against gate and up side by side: x read once, one dx kernel for both (the concatenate's
+    # transpose splits the weight gradient back).
+    n_blocks, b, _ = x_BkbZ.shape
+    gu_Bkb2F = mm(x_BkbZ, jnp.concatenate([w_gate_EZF, w_up_EZF], axis=-1)).reshape(n_blocks, b, 2, -1)
+    _kernel(gu_Bkb2F[:, :, 0], w_down_EFZ)  # the down projection's widths, checked with the numbers
+    return _swiglu_down(gu_Bkb2F, w_down_EFZ, layout.expert_Bk, layout.blocks_E, kernel["interpret"])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _swiglu_down(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret: bool):
-    """block_matmul(swiglu_act(g, u), w) on the kernels, the activation never stored: made in the forward's
-    and the weight gradient's prologue, its derivative in dx's epilogue (`grouped_gpu.matmul_*_act`). The
-    same values as the composition, up to where bf16 rounds: the activation once from fp32, dh not at all."""
-    return grouped_gpu.matmul_act(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _swiglu_down(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret: bool):
+    """block_matmul(swiglu_act(g, u), w), (g, u) the halves of gu, on the kernels, the activation never
+    stored: made in the forward's and the weight gradient's prologue, its derivative in dx's epilogue
+    (`grouped_gpu.matmul_*_act`). The composition's values up to where bf16 rounds: the activation once
+    from fp32, dh not at all."""
+    return grouped_gpu.matmul_act(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret=interpret)
 
 
-def _swiglu_down_fwd(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret):
-    return _swiglu_down(g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E, interpret), (g_BkbF, u_BkbF, w_EFZ, expert_Bk,
-                                                                                  blocks_E)
+def _swiglu_down_fwd(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret):
+    return _swiglu_down(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret), (gu_Bkb2F, w_EFZ, expert_Bk, blocks_E)
 
 
 def _swiglu_down_bwd(interpret, res, dy_BkbZ):
-    g_BkbF, u_BkbF, w_EFZ, expert_Bk, blocks_E = res
-    dg_BkbF, du_BkbF = grouped_gpu.matmul_dx_act(dy_BkbZ, w_EFZ, g_BkbF, u_BkbF, expert_Bk, blocks_E,
-                                                 interpret=interpret)
-    dw_EFZ = grouped_gpu.matmul_dw_act(g_BkbF, u_BkbF, dy_BkbZ, blocks_E, interpret=interpret, out_dtype=w_EFZ.dtype)
-    return dg_BkbF, du_BkbF, dw_EFZ, None, None
+    gu_Bkb2F, w_EFZ, expert_Bk, blocks_E = res
+    dgu_Bkb2F = grouped_gpu.matmul_dx_act(dy_BkbZ, w_EFZ, gu_Bkb2F, expert_Bk, blocks_E, interpret=interpret)
+    dw_EFZ = grouped_gpu.matmul_dw_act(gu_Bkb2F, dy_BkbZ, blocks_E, interpret=interpret, out_dtype=w_EFZ.dtype)
+    return dgu_Bkb2F, dw_EFZ, None, None
 
 
 _swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)

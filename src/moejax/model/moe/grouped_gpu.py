@@ -131,9 +131,9 @@ def _silu_times(g, u):
     return g32 / (1.0 + jnp.exp(-g32)) * u.astype(jnp.float32)
 
 
-def _rows_act_kernel(expert_ref, used_ref, g_ref, u_ref, w_ref, o_ref, *, tk: int):
-    """o = silu(g) u @ w[e] for one block's [b, tn] output tile: the activation made chunk by chunk from the
-    gate and up tiles, never stored."""
+def _rows_act_kernel(expert_ref, used_ref, gu_ref, w_ref, o_ref, *, tk: int):
+    """o = silu(g) u @ w[e] for one block's [b, tn] output tile, g and u the two halves of gu [b, 2, F]: the
+    activation made chunk by chunk from the gate and up tiles, never stored."""
     j, n = pl.program_id(0), pl.program_id(1)
     e = expert_ref[n]
     tn = o_ref.shape[-1]
@@ -141,33 +141,34 @@ def _rows_act_kernel(expert_ref, used_ref, g_ref, u_ref, w_ref, o_ref, *, tk: in
 
     def body(c, acc):
         ks = pl.ds(c * tk, tk)
-        h = _silu_times(g_ref[:, ks], u_ref[:, ks]).astype(w_ref.dtype)
+        h = _silu_times(gu_ref[:, 0, ks], gu_ref[:, 1, ks]).astype(w_ref.dtype)
         return acc + dot(h, w_ref[e, ks, cols])
 
-    acc = lax.fori_loop(0, g_ref.shape[-1] // tk * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = lax.fori_loop(0, gu_ref.shape[-1] // tk * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _dx_act_kernel(expert_ref, used_ref, dy_ref, w_ref, g_ref, u_ref, dg_ref, du_ref, *, tk: int):
+def _dx_act_kernel(expert_ref, used_ref, dy_ref, w_ref, gu_ref, dgu_ref, *, tk: int):
     """dh = dy @ w[e]^T for one block's [b, tn] tile (fp32, never stored), then the SwiGLU activation's
-    derivative in the epilogue: d_up = dh silu(g), d_gate = dh u silu'(g), silu'(g) = s (1 + g (1 - s))."""
+    derivative in the epilogue: d_up = dh silu(g), d_gate = dh u silu'(g), silu'(g) = s (1 + g (1 - s)),
+    written as the two halves of dgu's [b, 2, tn] tile."""
     j, n = pl.program_id(0), pl.program_id(1)
     e = expert_ref[n]
-    tn = dg_ref.shape[-1]
+    tn = dgu_ref.shape[-1]
     cols = pl.ds(j * tn, tn)
 
     def body(c, acc):
         ks = pl.ds(c * tk, tk)
         return acc + dot(dy_ref[:, ks], w_ref[e, cols, ks], trans_b=True)
 
-    dh = lax.fori_loop(0, dy_ref.shape[-1] // tk * used_ref[n], body, jnp.zeros(dg_ref.shape, jnp.float32))
-    g, u = g_ref[:, cols].astype(jnp.float32), u_ref[:, cols].astype(jnp.float32)
+    dh = lax.fori_loop(0, dy_ref.shape[-1] // tk * used_ref[n], body, jnp.zeros((dy_ref.shape[0], tn), jnp.float32))
+    g, u = gu_ref[:, 0, cols].astype(jnp.float32), gu_ref[:, 1, cols].astype(jnp.float32)
     sig = 1.0 / (1.0 + jnp.exp(-g))
-    du_ref[...] = (dh * g * sig).astype(du_ref.dtype)
-    dg_ref[...] = (dh * u * sig * (1.0 + g * (1.0 - sig))).astype(dg_ref.dtype)
+    dgu_ref[:, 0, :] = (dh * u * sig * (1.0 + g * (1.0 - sig))).astype(dgu_ref.dtype)
+    dgu_ref[:, 1, :] = (dh * g * sig).astype(dgu_ref.dtype)
 
 
-def _wgrad_act_kernel(first_ref, count_ref, g_ref, u_ref, dy_ref, dw_ref):
+def _wgrad_act_kernel(first_ref, count_ref, gu_ref, dy_ref, dw_ref):
     """dw[e] tile = sum over e's blocks of (silu(g) u)[n]^T dy[n], the activation remade from its inputs."""
     zi, fi, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tz, tf = dw_ref.shape
@@ -175,7 +176,7 @@ def _wgrad_act_kernel(first_ref, count_ref, g_ref, u_ref, dy_ref, dw_ref):
     lo = first_ref[e]
 
     def body(n, acc):
-        h = _silu_times(g_ref[n, :, zs], u_ref[n, :, zs]).astype(dy_ref.dtype)
+        h = _silu_times(gu_ref[n, :, 0, zs], gu_ref[n, :, 1, zs]).astype(dy_ref.dtype)
         return acc + dot(h, dy_ref[n, :, fs], trans_a=True)
 
     dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32)).astype(dw_ref.dtype)
@@ -242,65 +243,63 @@ def matmul_dw(x_BkbZ: Float[Array, "Bk b Z"], dy_BkbF: Float[Array, "Bk b F"], b
 
 
 # --- the down projection of SwiGLU with the activation fused (`grouped.swiglu_blocks` on the kernels) ---------
+# Gate and up come as one [Bk, b, 2, F] array, the output of one matmul against the experts' gate and up
+# weights side by side ([E, Z, 2F]): x is read once, and dx is one matmul against both.
 
-def matmul_act(g_BkbF: Float[Array, "Bk b F"], u_BkbF: Float[Array, "Bk b F"], w_EFZ: Float[Array, "E F Z"],
-               expert_Bk: Int[Array, "Bk"], blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(),
-               interpret: bool = False) -> Float[Array, "Bk b Z"]:
-    """y[n] = (silu(g[n]) * u[n]) @ w[expert_Bk[n]]: `matmul` of the SwiGLU activation, which is made in the
-    kernel from the gate and up tiles and never written (shape G: 3.3 GB a step less to write and read)."""
-    n_blocks, b, f = g_BkbF.shape
+def matmul_act(gu_Bkb2F: Float[Array, "Bk b 2 F"], w_EFZ: Float[Array, "E F Z"], expert_Bk: Int[Array, "Bk"],
+               blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b Z"]:
+    """y[n] = (silu(g[n]) * u[n]) @ w[expert_Bk[n]], (g, u) = gu[:, :, 0], gu[:, :, 1]: `matmul` of the SwiGLU
+    activation, which is made in the kernel from the gate and up tiles and never written."""
+    n_blocks, b, _, f = gu_Bkb2F.shape
     z = w_EFZ.shape[2]
-    _check(b, f, z, g_BkbF.dtype, w_EFZ.dtype, tiles)
+    _check(b, f, z, gu_Bkb2F.dtype, w_EFZ.dtype, tiles)
     tn, tk = tile(tiles.tn, z), tile(tiles.tk, f)
-    rows = pl.BlockSpec((None, b, f), lambda j, n: (n, 0, 0))
     used_Bk = _used_blocks(expert_Bk, blocks_E)
     return pl.pallas_call(
         functools.partial(_rows_act_kernel, tk=tk), grid=(z // tn, n_blocks),
-        in_specs=[_whole(expert_Bk), _whole(used_Bk), rows, rows, _whole(w_EFZ)],
+        in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, 2, f), lambda j, n: (n, 0, 0, 0)),
+                  _whole(w_EFZ)],
         out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
-        out_shape=out_like(g_BkbF, (n_blocks, b, z), g_BkbF.dtype),
+        out_shape=out_like(gu_Bkb2F, (n_blocks, b, z), gu_Bkb2F.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_fwd_act",
-    )(expert_Bk, used_Bk, g_BkbF, u_BkbF, w_EFZ)
+    )(expert_Bk, used_Bk, gu_Bkb2F, w_EFZ)
 
 
-def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"], g_BkbF: Float[Array, "Bk b F"],
-                  u_BkbF: Float[Array, "Bk b F"], expert_Bk: Int[Array, "Bk"], blocks_E: Int[Array, "E"],
-                  tiles: GemmTiles = GemmTiles(), interpret: bool = False):
-    """(d_gate, d_up) of `matmul_act`: dh = dy @ w^T in fp32 and the activation's derivative in one kernel
-    (no dh written: 6.6 GB a step less at shape G than `matmul_dx` + the XLA activation backward)."""
-    n_blocks, b, f = g_BkbF.shape
+def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"], gu_Bkb2F: Float[Array, "Bk b 2 F"],
+                  expert_Bk: Int[Array, "Bk"], blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(),
+                  interpret: bool = False) -> Float[Array, "Bk b 2 F"]:
+    """[d_gate, d_up] of `matmul_act`: dh = dy @ w^T in fp32 and the activation's derivative in one kernel,
+    no dh written."""
+    n_blocks, b, _, f = gu_Bkb2F.shape
     z = w_EFZ.shape[2]
     _check(b, f, z, dy_BkbZ.dtype, w_EFZ.dtype, tiles)
     tn, tk = tile(tiles.tn, f), tile(tiles.tk, z)
-    tile_spec = pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j))
-    rows = pl.BlockSpec((None, b, f), lambda j, n: (n, 0, 0))
-    out = out_like(dy_BkbZ, (n_blocks, b, f), g_BkbF.dtype)
     used_Bk = _used_blocks(expert_Bk, blocks_E)
     return pl.pallas_call(
         functools.partial(_dx_act_kernel, tk=tk), grid=(f // tn, n_blocks),
         in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, z), lambda j, n: (n, 0, 0)),
-                  _whole(w_EFZ), rows, rows],
-        out_specs=[tile_spec, tile_spec], out_shape=[out, out],
+                  _whole(w_EFZ), pl.BlockSpec((None, b, 2, f), lambda j, n: (n, 0, 0, 0))],
+        out_specs=pl.BlockSpec((None, b, 2, tn), lambda j, n: (n, 0, 0, j)),
+        out_shape=out_like(dy_BkbZ, gu_Bkb2F.shape, gu_Bkb2F.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_dx_act",
-    )(expert_Bk, used_Bk, dy_BkbZ, w_EFZ, g_BkbF, u_BkbF)
+    )(expert_Bk, used_Bk, dy_BkbZ, w_EFZ, gu_Bkb2F)
 
 
-def matmul_dw_act(g_BkbF: Float[Array, "Bk b F"], u_BkbF: Float[Array, "Bk b F"], dy_BkbZ: Float[Array, "Bk b Z"],
-                  blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False,
-                  out_dtype=jnp.float32) -> Float[Array, "E F Z"]:
+def matmul_dw_act(gu_Bkb2F: Float[Array, "Bk b 2 F"], dy_BkbZ: Float[Array, "Bk b Z"], blocks_E: Int[Array, "E"],
+                  tiles: GemmTiles = GemmTiles(), interpret: bool = False, out_dtype=jnp.float32) -> Float[Array, "E F Z"]:
     """dw[e] = sum over e's blocks of (silu(g) u)[n]^T dy[n], accumulated in fp32, written as `out_dtype`."""
-    f, z = g_BkbF.shape[2], dy_BkbZ.shape[2]
-    _check(g_BkbF.shape[1], f, z, g_BkbF.dtype, dy_BkbZ.dtype, tiles)
+    f, z = gu_Bkb2F.shape[3], dy_BkbZ.shape[2]
+    _check(gu_Bkb2F.shape[1], f, z, gu_Bkb2F.dtype, dy_BkbZ.dtype, tiles)
     tz, tf = tile(tiles.tz, f), tile(tiles.tf, z)
     n_exp = blocks_E.shape[0]
     first_E = jnp.cumsum(blocks_E) - blocks_E
     return pl.pallas_call(
         _wgrad_act_kernel, grid=(f // tz, z // tf, n_exp),
-        in_specs=[_whole(first_E), _whole(blocks_E), _whole(g_BkbF), _whole(u_BkbF), _whole(dy_BkbZ)],
+        in_specs=[_whole(first_E), _whole(blocks_E), _whole(gu_Bkb2F), _whole(dy_BkbZ)],
         out_specs=pl.BlockSpec((None, tz, tf), lambda zi, fi, e: (e, zi, fi)),
-        out_shape=out_like(g_BkbF, (n_exp, f, z), out_dtype),
+        out_shape=out_like(gu_Bkb2F, (n_exp, f, z), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_grouped_dw_act",
-    )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), g_BkbF, u_BkbF, dy_BkbZ)
+    )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), gu_Bkb2F, dy_BkbZ)
