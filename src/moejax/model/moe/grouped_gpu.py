@@ -95,67 +95,55 @@ def _check(block: int, z: int, f: int, a_dtype, b_dtype, tiles: GemmTiles) -> No
 
 
 
-def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w: bool):
-    """o = x @ w[e] (w [E, K, N]) or x @ w[e]^T (trans_w: w [E, N, K]) for one block's [b, tn] output tile."""
-    j, n = pl.program_id(0), pl.program_id(1)
-    e = expert_ref[n]
-    tn = o_ref.shape[-1]
-    cols = pl.ds(j * tn, tn)
-
-    def body(c, acc):
-        ks = pl.ds(c * tk, tk)
-        w = w_ref[e, cols, ks] if trans_w else w_ref[e, ks, cols]
-        return acc + dot(x_ref[:, ks], w, trans_b=trans_w)
-
-    n_chunks = x_ref.shape[-1] // tk
-    acc = lax.fori_loop(0, n_chunks * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
-def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref):
-    """dw[e] tile = sum of x[n]^T dy[n] over expert e's blocks n (contiguous: the layout sorts them)."""
-    zi, fi, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tz, tf = dw_ref.shape
-    zs, fs = pl.ds(zi * tz, tz), pl.ds(fi * tf, tf)
-    lo = first_ref[e]
-
-    def body(n, acc):
-        return acc + dot(x_ref[n, :, zs], dy_ref[n, :, fs], trans_a=True)
-
-    dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32)).astype(dw_ref.dtype)
-
-
 def _silu_times(g, u):
     """silu(g) * u in fp32 (the SwiGLU activation of `layers.swiglu_act`), from one tile of each."""
     g32 = g.astype(jnp.float32)
     return g32 / (1.0 + jnp.exp(-g32)) * u.astype(jnp.float32)
 
 
-def _rows_act_kernel(expert_ref, used_ref, gu_ref, w_ref, o_ref, *, tk: int):
-    """o = silu(g) u @ w[e] for one block's [b, tn] output tile, g and u the two halves of gu [b, 2, F]: the
-    activation made chunk by chunk from the gate and up tiles, never stored."""
+def _block_tile(expert_ref, tn: int):
+    """A rows kernel's program (grid (out_cols / tn, Bk)): its block n, the block's expert and its columns."""
     j, n = pl.program_id(0), pl.program_id(1)
-    e = expert_ref[n]
-    tn = o_ref.shape[-1]
-    cols = pl.ds(j * tn, tn)
+    return n, expert_ref[n], pl.ds(j * tn, tn)
+
+
+def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w: bool, act: bool = False):
+    """o = x @ w[e] (w [E, K, N]) or x @ w[e]^T (trans_w: w [E, N, K]) for one block's [b, tn] output tile.
+    `act`: x_ref holds gate and up as [b, 2, K] and x = silu(gate) * up, made chunk by chunk, never stored."""
+    n, e, cols = _block_tile(expert_ref, o_ref.shape[-1])
 
     def body(c, acc):
         ks = pl.ds(c * tk, tk)
-        h = _silu_times(gu_ref[:, 0, ks], gu_ref[:, 1, ks]).astype(w_ref.dtype)
-        return acc + dot(h, w_ref[e, ks, cols])
+        w = w_ref[e, cols, ks] if trans_w else w_ref[e, ks, cols]
+        x = _silu_times(x_ref[:, 0, ks], x_ref[:, 1, ks]).astype(w_ref.dtype) if act else x_ref[:, ks]
+        return acc + dot(x, w, trans_b=trans_w)
 
-    acc = lax.fori_loop(0, gu_ref.shape[-1] // tk * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
+    n_chunks = x_ref.shape[-1] // tk
+    acc = lax.fori_loop(0, n_chunks * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref, *, act: bool = False):
+    """dw[e] tile = sum of x[n]^T dy[n] over expert e's blocks n (contiguous: the layout sorts them). `act`:
+    x_ref holds gate and up as [Bk, b, 2, Z], and x = silu(gate) * up is remade from them."""
+    zi, fi, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tz, tf = dw_ref.shape
+    zs, fs = pl.ds(zi * tz, tz), pl.ds(fi * tf, tf)
+    lo = first_ref[e]
+
+    def body(n, acc):
+        x = _silu_times(x_ref[n, :, 0, zs], x_ref[n, :, 1, zs]).astype(dy_ref.dtype) if act else x_ref[n, :, zs]
+        return acc + dot(x, dy_ref[n, :, fs], trans_a=True)
+
+    dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32)).astype(dw_ref.dtype)
 
 
 def _dx_act_kernel(expert_ref, used_ref, dy_ref, w_ref, gu_ref, dgu_ref, *, tk: int):
     """dh = dy @ w[e]^T for one block's [b, tn] tile (fp32, never stored), then the SwiGLU activation's
     derivative in the epilogue: d_up = dh silu(g), d_gate = dh u silu'(g), silu'(g) = s (1 + g (1 - s)),
     written as the two halves of dgu's [b, 2, tn] tile."""
-    j, n = pl.program_id(0), pl.program_id(1)
-    e = expert_ref[n]
     tn = dgu_ref.shape[-1]
-    cols = pl.ds(j * tn, tn)
+    n, e, cols = _block_tile(expert_ref, tn)
 
     def body(c, acc):
         ks = pl.ds(c * tk, tk)
@@ -168,18 +156,8 @@ def _dx_act_kernel(expert_ref, used_ref, dy_ref, w_ref, gu_ref, dgu_ref, *, tk: 
     dgu_ref[:, 1, :] = (dh * g * sig).astype(dgu_ref.dtype)
 
 
-def _wgrad_act_kernel(first_ref, count_ref, gu_ref, dy_ref, dw_ref):
-    """dw[e] tile = sum over e's blocks of (silu(g) u)[n]^T dy[n], the activation remade from its inputs."""
-    zi, fi, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tz, tf = dw_ref.shape
-    zs, fs = pl.ds(zi * tz, tz), pl.ds(fi * tf, tf)
-    lo = first_ref[e]
-
-    def body(n, acc):
-        h = _silu_times(gu_ref[n, :, 0, zs], gu_ref[n, :, 1, zs]).astype(dy_ref.dtype)
-        return acc + dot(h, dy_ref[n, :, fs], trans_a=True)
-
-    dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32)).astype(dw_ref.dtype)
+def _launch(tiles: GemmTiles):
+    return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def _whole(a) -> pl.BlockSpec:
@@ -187,17 +165,21 @@ def _whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool):
-    n_blocks, b, k = x_BkbK.shape
+def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool,
+               act: bool = False):
+    """`_rows_kernel` over every (column tile, block); `act`: x is gate and up as [Bk, b, 2, K]."""
+    n_blocks, b, k = x_BkbK.shape[0], x_BkbK.shape[1], x_BkbK.shape[-1]
     tn, tk = tile(tiles.tn, out_cols), tile(tiles.tk, k)
+    rows = pl.BlockSpec((None, b, 2, k), lambda j, n: (n, 0, 0, 0)) if act else \
+        pl.BlockSpec((None, b, k), lambda j, n: (n, 0, 0))
     return pl.pallas_call(
-        functools.partial(_rows_kernel, tk=tk, trans_w=trans_w),
+        functools.partial(_rows_kernel, tk=tk, trans_w=trans_w, act=act),
         grid=(out_cols // tn, n_blocks),
-        in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, k), lambda j, n: (n, 0, 0)), _whole(w)],
+        in_specs=[_whole(expert_Bk), _whole(used_Bk), rows, _whole(w)],
         out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
         out_shape=out_like(x_BkbK, (n_blocks, b, out_cols), jnp.result_type(x_BkbK, w)),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret, name="moejax_grouped_dx" if trans_w else "moejax_grouped_fwd",
+        compiler_params=_launch(tiles), interpret=interpret,
+        name="moejax_grouped_fwd_act" if act else "moejax_grouped_dx" if trans_w else "moejax_grouped_fwd",
     )(expert_Bk, used_Bk, x_BkbK, w)
 
 
@@ -229,17 +211,21 @@ def matmul_dw(x_BkbZ: Float[Array, "Bk b Z"], dy_BkbF: Float[Array, "Bk b F"], b
     so that no separate [E, Z, F] fp32 array is written and converted (shape G: 3.6 GB a step)."""
     z, f = x_BkbZ.shape[2], dy_BkbF.shape[2]
     _check(x_BkbZ.shape[1], z, f, x_BkbZ.dtype, dy_BkbF.dtype, tiles)
+    return _wgrad_call(_wgrad_kernel, "moejax_grouped_dw", x_BkbZ, dy_BkbF, blocks_E, z, f, tiles, interpret, out_dtype)
+
+
+def _wgrad_call(kernel, name: str, x, dy, blocks_E, z: int, f: int, tiles: GemmTiles, interpret: bool, out_dtype):
+    """The [E, z, f] weight gradient by `kernel` over (x, dy) read in place, one [tz, tf] tile per program."""
     tz, tf = tile(tiles.tz, z), tile(tiles.tf, f)
     n_exp = blocks_E.shape[0]
     first_E = jnp.cumsum(blocks_E) - blocks_E
     return pl.pallas_call(
-        _wgrad_kernel, grid=(z // tz, f // tf, n_exp),
-        in_specs=[_whole(first_E), _whole(blocks_E), _whole(x_BkbZ), _whole(dy_BkbF)],
+        kernel, grid=(z // tz, f // tf, n_exp),
+        in_specs=[_whole(first_E), _whole(blocks_E), _whole(x), _whole(dy)],
         out_specs=pl.BlockSpec((None, tz, tf), lambda zi, fi, e: (e, zi, fi)),
-        out_shape=out_like(x_BkbZ, (n_exp, z, f), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret, name="moejax_grouped_dw",
-    )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), x_BkbZ, dy_BkbF)
+        out_shape=out_like(x, (n_exp, z, f), out_dtype), compiler_params=_launch(tiles), interpret=interpret,
+        name=name,
+    )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), x, dy)
 
 
 # --- the down projection of SwiGLU with the activation fused (`grouped.swiglu_blocks` on the kernels) ---------
@@ -250,20 +236,9 @@ def matmul_act(gu_Bkb2F: Float[Array, "Bk b 2 F"], w_EFZ: Float[Array, "E F Z"],
                blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b Z"]:
     """y[n] = (silu(g[n]) * u[n]) @ w[expert_Bk[n]], (g, u) = gu[:, :, 0], gu[:, :, 1]: `matmul` of the SwiGLU
     activation, which is made in the kernel from the gate and up tiles and never written."""
-    n_blocks, b, _, f = gu_Bkb2F.shape
-    z = w_EFZ.shape[2]
-    _check(b, f, z, gu_Bkb2F.dtype, w_EFZ.dtype, tiles)
-    tn, tk = tile(tiles.tn, z), tile(tiles.tk, f)
-    used_Bk = _used_blocks(expert_Bk, blocks_E)
-    return pl.pallas_call(
-        functools.partial(_rows_act_kernel, tk=tk), grid=(z // tn, n_blocks),
-        in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, 2, f), lambda j, n: (n, 0, 0, 0)),
-                  _whole(w_EFZ)],
-        out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
-        out_shape=out_like(gu_Bkb2F, (n_blocks, b, z), gu_Bkb2F.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret, name="moejax_grouped_fwd_act",
-    )(expert_Bk, used_Bk, gu_Bkb2F, w_EFZ)
+    _check(gu_Bkb2F.shape[1], gu_Bkb2F.shape[3], w_EFZ.shape[2], gu_Bkb2F.dtype, w_EFZ.dtype, tiles)
+    return _rows_call(gu_Bkb2F, w_EFZ, expert_Bk, _used_blocks(expert_Bk, blocks_E), w_EFZ.shape[2], False, tiles,
+                      interpret, act=True)
 
 
 def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"], gu_Bkb2F: Float[Array, "Bk b 2 F"],
@@ -282,7 +257,7 @@ def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"],
                   _whole(w_EFZ), pl.BlockSpec((None, b, 2, f), lambda j, n: (n, 0, 0, 0))],
         out_specs=pl.BlockSpec((None, b, 2, tn), lambda j, n: (n, 0, 0, j)),
         out_shape=out_like(dy_BkbZ, gu_Bkb2F.shape, gu_Bkb2F.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        compiler_params=_launch(tiles),
         interpret=interpret, name="moejax_grouped_dx_act",
     )(expert_Bk, used_Bk, dy_BkbZ, w_EFZ, gu_Bkb2F)
 
@@ -292,14 +267,5 @@ def matmul_dw_act(gu_Bkb2F: Float[Array, "Bk b 2 F"], dy_BkbZ: Float[Array, "Bk 
     """dw[e] = sum over e's blocks of (silu(g) u)[n]^T dy[n], accumulated in fp32, written as `out_dtype`."""
     f, z = gu_Bkb2F.shape[3], dy_BkbZ.shape[2]
     _check(gu_Bkb2F.shape[1], f, z, gu_Bkb2F.dtype, dy_BkbZ.dtype, tiles)
-    tz, tf = tile(tiles.tz, f), tile(tiles.tf, z)
-    n_exp = blocks_E.shape[0]
-    first_E = jnp.cumsum(blocks_E) - blocks_E
-    return pl.pallas_call(
-        _wgrad_act_kernel, grid=(f // tz, z // tf, n_exp),
-        in_specs=[_whole(first_E), _whole(blocks_E), _whole(gu_Bkb2F), _whole(dy_BkbZ)],
-        out_specs=pl.BlockSpec((None, tz, tf), lambda zi, fi, e: (e, zi, fi)),
-        out_shape=out_like(gu_Bkb2F, (n_exp, f, z), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        interpret=interpret, name="moejax_grouped_dw_act",
-    )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), gu_Bkb2F, dy_BkbZ)
+    return _wgrad_call(functools.partial(_wgrad_kernel, act=True), "moejax_grouped_dw_act", gu_Bkb2F, dy_BkbZ, blocks_E, f, z, tiles, interpret,
+                       out_dtype)
