@@ -38,8 +38,9 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
                "s4": 1, "u4": 1, "token": 0}
 # Dense bf16 matmul peak (vendor figure, no sparsity) and HBM bandwidth, for `moejax plan --compile`.
 GPU_PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA GB200": 2.5e15}
-# A dot with fp32 operands runs on a GPU's TF32 tensor cores (jax's default precision there), at half the bf16
-# rate: the datasheets' dense TF32 figures. The step has a few (the LM head's backward, in fp32 by SPEC §6).
+# A dot with fp32 operands runs at best on a GPU's TF32 tensor cores (where XLA's default precision allows it),
+# at half the bf16 rate: the datasheets' dense TF32 figures. The step has a few (the LM head's backward, fp32
+# by SPEC §6's loss precision; the router's).
 GPU_F32_DOT_FRACTION = 0.5
 GPU_LAUNCH_S = 3e-6  # per kernel; CUDA graphs can hide some of it
 
@@ -208,8 +209,12 @@ class _Walker:
 
     def _f32_dots(self, ins: Instr) -> bool:
         """Whether this kernel's dot (or the dot of its fused body) multiplies fp32 operands."""
-        dots = [ins] if ins.op == "dot" else [i for i in self.comps[ins.called("calls")[0]] if i.op == "dot"] \
-            if ins.op == "fusion" else []
+        if ins.op == "dot":
+            dots = [ins]
+        elif ins.op == "fusion":
+            dots = [i for i in self.comps[ins.called("calls")[0]] if i.op == "dot"]
+        else:
+            return False
         return any(self.shapes.get(d.operands[0], "").startswith("f32[") for d in dots)
 
     def kernel(self, ins: Instr, cost: Cost) -> tuple[float, float]:

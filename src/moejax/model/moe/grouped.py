@@ -29,10 +29,11 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
   is a gather through the other map, not the scatter-add autodiff would emit.
 
 On GPUs the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
-`grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary), and the
-gate and up run as one matmul against their weights side by side, and the SwiGLU activation moves into the
-down projection's kernels (`_swiglu_down`: never stored, its derivative in dx's epilogue); MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks are at
-least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
+`grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary). There the
+expert MLP is two matmuls: gate and up as one, against their weights side by side, then the down projection
+with the SwiGLU activation inside its kernels (`_swiglu_down`: never stored, its derivative in dx's
+epilogue). MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks
+are at least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
 """
 
 from __future__ import annotations

@@ -9,12 +9,16 @@ These kernels read each block's weights in place (the expert id is loaded inside
 no scalar prefetch for index maps) and accumulate the weight gradient of each expert over its own blocks
 in registers, so the only HBM traffic is the operands and the results.
 
-Three kernels, one per matmul of a block GEMM's forward and backward:
+Three kernels, one per matmul of a block GEMM's forward and backward (and a fourth for SwiGLU, below):
 - `_rows_kernel`, grid (out_cols / tn, Bk): y[n] = x[n] @ w[e_n] (forward) or dy[n] @ w[e_n]^T (dx), the
   contraction chunked by tk in a loop. Blocks past the last used one (the layout's static tail) loop zero
   times and write zeros.
 - `_wgrad_kernel`, grid (Z / tz, F / tf, E): dw[e] = sum over e's blocks of x[n]^T dy[n], accumulated in
   fp32, written in fp32 or the weights' dtype; an expert with no rows writes zeros.
+SwiGLU's down projection (`matmul_*_act`, for `grouped.swiglu_blocks`) takes gate and up as one [Bk, b, 2, F]
+array: the first two kernels with `act` make silu(gate) * up tile by tile where they read x, and
+`_dx_act_kernel` ends dx with the activation's derivative, writing [d_gate, d_up]; the activation is never
+stored.
 The block (expert) axis is the grid's last: Triton runs axis 0 fastest, so one block's (expert's) tiles
 run back to back and share its rows in L2 instead of refetching them per tile.
 Contract (what `grouped.to_blocks` and its backward give): padding rows and the tail blocks hold zeros, so
