@@ -69,9 +69,18 @@ def targeting_gpu():
     return _holding(_targeting_gpu, True)
 
 
+def explicitly_chosen(env_var: str) -> bool:
+    """Whether the op's implementation was chosen by its environment variable (or as `pinned`), not left to
+    the default: a default may be narrower than an explicit choice (MOEJAX_NS: one device only)."""
+    pin = _pinned.get()
+    return pin["explicit"][env_var] if pin is not None else bool(os.environ.get(env_var))
+
+
 def current() -> dict:
-    """Every op's implementation, and whether kernels lower for a GPU, as of now: what a builder pins."""
-    return {"impl": {op[0]: kernel_impl(*op) for op in KERNEL_OPS}, "on_gpu": lowering_for_gpu()}
+    """Every op's implementation, whether each was chosen explicitly, and whether kernels lower for a GPU, as
+    of now: what a builder pins."""
+    return {"impl": {op[0]: kernel_impl(*op) for op in KERNEL_OPS},
+            "explicit": {op[0]: explicitly_chosen(op[0]) for op in KERNEL_OPS}, "on_gpu": lowering_for_gpu()}
 
 
 def pinned(choices: dict):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -102,48 +101,34 @@ def _weight_decay_mask(params: Any) -> Any:
 def newton_schulz(x: jax.Array, ns_steps: int = 5, kernel: dict | None = None) -> jax.Array:
     """Approximate orthogonalisation U V^T of each matrix over the last two dims, iterated in bf16.
 
-    Leading dims are stacks (vmapped). Returns fp32. Singular values land roughly in [0.65, 1.15], not
-    exactly 1 (the coefficients trade exactness for speed, Keller Jordan's Muon); singular values far
-    below the largest (ill-conditioned inputs) grow by ~3.4x per step and may not reach that band.
-    `kernel`: keyword arguments of `ns_gpu.matmul_add` to run the polynomial's two GEMMs with their adds
-    fused (`_ns_kernel` says when), else XLA.
+    Leading dims are stacks (one batch of matrices). Returns fp32. Singular values land roughly in
+    [0.65, 1.15], not exactly 1 (the coefficients trade exactness for speed, Keller Jordan's Muon); singular
+    values far below the largest (ill-conditioned inputs) grow by ~3.4x per step and may not reach that band.
+    Each step is G = X X^T, B = c G G + b G, X' = B X + a X; `kernel`: keyword arguments of
+    `ns_gpu.matmul_add`, which runs the last two with their adds fused (`_ns_kernel` says when), else XLA.
     """
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {x.shape}")
-    if kernel is not None:
-        return _newton_schulz_stacked(x, ns_steps, kernel)
-    if x.ndim > 2:
-        return jax.vmap(functools.partial(newton_schulz, ns_steps=ns_steps))(x)
     a, b, c = NS_COEFFS
-    x = x.astype(jnp.float32)
-    x = (x / (jnp.linalg.norm(x) + _NS_EPS)).astype(jnp.bfloat16)  # spectral norm <= 1 before iterating
-    transposed = x.shape[0] > x.shape[1]  # iterate on the wide orientation: X X^T is the small Gram matrix
-    if transposed:
-        x = x.T
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    if transposed:
-        x = x.T
-    return x.astype(jnp.float32)
-
-
-def _newton_schulz_stacked(x: jax.Array, ns_steps: int, kernel: dict) -> jax.Array:
-    """`newton_schulz` on a [..., m, n] stack as one [N, m, n] batch, B = c G G + b G and X' = B X + a X in
-    `ns_gpu.matmul_add` (the Gram matrix X X^T stays an XLA GEMM)."""
-    a, b, c = NS_COEFFS
+    matmul_add = _matmul_add_xla if kernel is None else functools.partial(ns_gpu.matmul_add, **kernel)
     shape = x.shape
     x = x.reshape(-1, *shape[-2:]).astype(jnp.float32)
-    x = (x / (_matrix_norm(x) + _NS_EPS)).astype(jnp.bfloat16)
-    transposed = shape[-2] > shape[-1]
+    x = (x / (_matrix_norm(x) + _NS_EPS)).astype(jnp.bfloat16)  # spectral norm <= 1 before iterating
+    transposed = shape[-2] > shape[-1]  # iterate on the wide orientation: X X^T is the small Gram matrix
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
     for _ in range(ns_steps):
         gram = jnp.einsum("nik,njk->nij", x, x)
-        x = ns_gpu.matmul_add(ns_gpu.matmul_add(gram, gram, gram, c, b, **kernel), x, x, 1.0, a, **kernel)
+        x = matmul_add(matmul_add(gram, gram, gram, c, b), x, x, 1.0, a)
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
     return x.astype(jnp.float32).reshape(shape)
+
+
+def _matmul_add_xla(p: jax.Array, q: jax.Array, r: jax.Array, alpha: float, beta: float) -> jax.Array:
+    """beta r + alpha (p @ q) per matrix of the batch, in the operands' dtype (XLA leaves the add a kernel of
+    its own; `ns_gpu.matmul_add` is the fused form)."""
+    return beta * r + alpha * jnp.einsum("nij,njk->nik", p, q)
 
 
 def _ns_kernel(u: jax.Array, one_device: bool) -> dict | None:
@@ -153,7 +138,7 @@ def _ns_kernel(u: jax.Array, one_device: bool) -> dict | None:
     to GSPMD runs replicated, which on sharded expert stacks would gather every expert to every device. A
     shape the kernel can't take (a width with no power-of-two tile >= 16) keeps XLA, for that matrix only."""
     chosen = kernel_choice.kernel_impl(*kernel_choice.NEWTON_SCHULZ) == "gpu_kernel"
-    explicit = bool(os.environ.get(kernel_choice.NEWTON_SCHULZ[0]))
+    explicit = kernel_choice.explicitly_chosen(kernel_choice.NEWTON_SCHULZ[0])
     m, n = sorted(u.shape[-2:])
     if not chosen or not (one_device or explicit) or ns_gpu.shape_problem(m, m, n):  # [m, m] @ [m, n], m <= n
         return None
@@ -191,8 +176,12 @@ def scale_by_newton_schulz(ns_steps: int = 5, one_device: bool = False) -> optax
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def _matrix_sum(x: jax.Array) -> jax.Array:
+    return jnp.sum(x, axis=(-2, -1), keepdims=True)
+
+
 def _matrix_norm(x: jax.Array) -> jax.Array:
-    return jnp.sqrt(jnp.sum(jnp.square(x), axis=(-2, -1), keepdims=True))
+    return jnp.sqrt(_matrix_sum(jnp.square(x)))
 
 
 def hyperball_delta(u: jax.Array, w: jax.Array, lr: jax.Array) -> jax.Array:
@@ -201,8 +190,7 @@ def hyperball_delta(u: jax.Array, w: jax.Array, lr: jax.Array) -> jax.Array:
         raise ValueError(f"hyperball step needs matrices [..., fan_in, fan_out], got shape {w.shape}")
     u = u.astype(jnp.float32)
     w32 = w.astype(jnp.float32)
-    total = lambda x: jnp.sum(x, axis=(-2, -1), keepdims=True)
-    ww, uu, wu = total(jnp.square(w32)), total(jnp.square(u)), total(w32 * u)  # one pass over w and u
+    ww, uu, wu = _matrix_sum(jnp.square(w32)), _matrix_sum(jnp.square(u)), _matrix_sum(w32 * u)  # one pass
     w_norm = jnp.sqrt(ww)
     step = lr * w_norm / jnp.maximum(jnp.sqrt(uu), _TINY)
     # ||w - step u||^2 expanded, so that no pass over the moved matrix is needed to renormalise it (on a GPU

@@ -156,13 +156,13 @@ def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Ar
     return gather_rows(y_BkbZ.reshape(-1, y_BkbZ.shape[-1]), layout.slot_A, layout.row_Pd[:, None])
 
 
-def _kernel(x_BkbZ, w_EZF) -> dict | None:
+def _kernel(block: int, w_EZF) -> dict | None:
     """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, by the
-    `kernel_choice` rule), else None. Off GPU a chosen kernel runs interpreted. A shape the kernels can't
-    take is an error, not a quiet fall back to the einsums."""
+    `kernel_choice` rule) on blocks of `block` rows, else None. Off GPU a chosen kernel runs interpreted. A
+    shape the kernels can't take is an error, not a quiet fall back to the einsums."""
     if not _kernel_chosen():
         return None
-    problem = grouped_gpu.shape_problem(x_BkbZ.shape[1], *w_EZF.shape[1:])
+    problem = grouped_gpu.shape_problem(block, *w_EZF.shape[1:])
     if problem:
         raise ConfigError(f"the grouped-GEMM GPU kernel can't take this model: {problem} (latent_width and "
                           f"expert_width must be multiples of {grouped_gpu.MIN_TILE}); set MOEJAX_GROUPED=xla")
@@ -175,7 +175,7 @@ def block_matmul(x_BkbZ: Float[Array, "Bk b Z"], w_EZF: Float[Array, "E Z F"], e
     """y[n] = x[n] @ w[expert_Bk[n]] for every block n whose rows are real; padding rows and the layout's
     tail blocks must hold zeros (as `to_blocks` and its backward give them): the GPU kernels skip the tail,
     which the einsums compute. blocks_E: the layout's, read by the GPU kernels."""
-    kernel = _kernel(x_BkbZ, w_EZF)
+    kernel = _kernel(x_BkbZ.shape[1], w_EZF)
     if kernel is not None:
         return grouped_gpu.matmul(x_BkbZ, w_EZF, expert_Bk, blocks_E, **kernel)
     return jnp.einsum("nbz,nzf->nbf", x_BkbZ, w_EZF[expert_Bk])
@@ -188,7 +188,7 @@ def _block_matmul_fwd(x_BkbZ, w_EZF, expert_Bk, blocks_E):
 
 def _block_matmul_bwd(res, dy_BkbF):
     x_BkbZ, w_EZF, expert_Bk, blocks_E = res
-    kernel = _kernel(x_BkbZ, w_EZF)
+    kernel = _kernel(x_BkbZ.shape[1], w_EZF)
     if kernel is not None:
         dx_BkbZ = grouped_gpu.matmul_dx(dy_BkbF, w_EZF, expert_Bk, blocks_E, **kernel).astype(x_BkbZ.dtype)
         dw_EZF = grouped_gpu.matmul_dw(x_BkbZ, dy_BkbF, blocks_E, **kernel, out_dtype=w_EZF.dtype)
@@ -207,14 +207,13 @@ def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZ
     """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero. On the
     GPU kernels the activation lives inside the down projection's kernels (`_swiglu_down`)."""
     mm = lambda x, w: block_matmul(x, w, layout.expert_Bk, layout.blocks_E)
-    kernel = _kernel(x_BkbZ, w_gate_EZF)
+    kernel = _kernel(x_BkbZ.shape[1], w_gate_EZF)  # the down projection has the same two widths
     if kernel is None:
         return mm(swiglu_act(mm(x_BkbZ, w_gate_EZF), mm(x_BkbZ, w_up_EZF)), w_down_EFZ)
     # One matmul against gate and up side by side: x read once, one dx kernel for both (the concatenate's
     # transpose splits the weight gradient back).
     n_blocks, b, _ = x_BkbZ.shape
     gu_Bkb2F = mm(x_BkbZ, jnp.concatenate([w_gate_EZF, w_up_EZF], axis=-1)).reshape(n_blocks, b, 2, -1)
-    _kernel(gu_Bkb2F[:, :, 0], w_down_EFZ)  # the down projection's widths, checked with the numbers
     return _swiglu_down(gu_Bkb2F, w_down_EFZ, layout.expert_Bk, layout.blocks_E, kernel["interpret"])
 
 
