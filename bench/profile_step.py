@@ -80,9 +80,12 @@ def source_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, str]]:
     for line in lines:
         m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
         if m:
-            meta = re.search(r'metadata=\{op_name="([^"]*)"(?: stack_frame_id=(\d+))?', line)
-            frames[m.group(1)] = chain(int(meta.group(2))) if meta and meta.group(2) else []
-            ops[m.group(1)] = meta.group(1) if meta else ""
+            # other fields (scheduling_name, deduplicated_name: GPU compiles) may sit between the two
+            meta = re.search(r"metadata=\{([^}]*)\}", line)
+            op = re.search(r'op_name="([^"]*)"', meta.group(1)) if meta else None
+            frame = re.search(r"stack_frame_id=(\d+)", meta.group(1)) if op else None
+            frames[m.group(1)] = chain(int(frame.group(1))) if frame else []
+            ops[m.group(1)] = op.group(1) if op else ""
     return frames, ops
 
 

@@ -12,7 +12,7 @@ from moejax.model import kernel_choice
 from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, rms_normalize, scale_channels, sconv,
                                  shared_swiglu, swiglu, swiglu_act)
 from moejax.model.moe.router import route
-from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, head_chunk, lm_loss
+from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, chunked_lse, head_chunk, lm_loss, lse_reference
 from moejax.presets import TINY
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
@@ -181,16 +181,35 @@ def test_loss_at_large_logit_scale_matches_fp32_oracle_and_streamed_path():
 # The chunked LM head sums dh over vocab chunks in another order than one dot: fp32 rounding only.
 CHUNKED_HEAD_RTOL = 1e-5
 CHUNKED_HEAD_ATOL = 1e-6
+# Lowered for a GPU with bf16 activations, the head's backward dots take the logits' gradient in bf16 (fp32
+# accumulation), where the autodiff reference keeps it fp32: one bf16 rounding of each gradient entry
+# (relative 2^-9), and dh is rounded to bf16 at the end by both (at |dh| <= 0.5 one bf16 step is 2^-9).
+BF16_HEAD_GRAD_RTOL = 2e-2
+BF16_HEAD_GRAD_ATOL = 2e-3
+
+
+def _reference_loss(h, w, t, mask, z_weight=1e-4):
+    """lm_loss's formula on `lse_reference` (the plain autodiff one dot)."""
+    lse, target = lse_reference(h.reshape(-1, h.shape[-1]), w.astype(h.dtype), t.reshape(-1))
+    m = mask.reshape(-1).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(m), 1.0)
+    return jnp.sum((lse - target) * m) / n + z_weight * jnp.sum(lse * lse * m) / n
 
 
 def test_chunked_lm_head_equals_one_dot_in_value_and_gradients():
-    """`vocab_chunk` (the CPU train step's LM head): same loss parts and (h, W) gradients as the single dot,
-    with a last chunk shorter than the others (50 = 3 x 16 + 2) and targets on every chunk's first and
-    last column, in fp32 and with bf16 activations."""
+    """`chunked_lse` (the CPU train step's LM head in column chunks, a GPU's in one): the same logsumexp and
+    target logit, and (h, W) gradients through `lm_loss`, as autodiff of the one dot (`lse_reference`), with
+    a last chunk shorter than the others (50 = 3 x 16 + 2) and targets on every chunk's first and last
+    column; in bf16 (off GPU: fp32 dots in the backward) too."""
     h, head, _, mask = _loss_inputs(3.0)
     t = jnp.asarray([[0, 15, 16, 31, 32, 47, 48, 49, 7, 20, 40, 49]])  # T = 12
     for dt in (jnp.float32, jnp.bfloat16):
-        parts = lambda chunk: lm_loss(h.astype(dt), head, t, mask, 1e-4, vocab_chunk=chunk)
+        hd = h.astype(dt)
+        ref = lse_reference(hd[0], head.astype(dt), t[0])
+        for chunk in (16, 50):
+            for a, b in zip(chunked_lse(hd[0], head, t[0], chunk), ref):
+                np.testing.assert_allclose(a, b, rtol=CHUNKED_HEAD_RTOL)
+        parts = lambda chunk: lm_loss(hd, head, t, mask, 1e-4, vocab_chunk=chunk)
         for name in ("loss", "cross_entropy_loss", "z_loss"):
             np.testing.assert_allclose(parts(16)[name], parts(0)[name], rtol=CHUNKED_HEAD_RTOL)
         run = lambda chunk: jax.value_and_grad(lambda h, w: lm_loss(h.astype(dt), w, t, mask, 1e-4,
@@ -201,6 +220,31 @@ def test_chunked_lm_head_equals_one_dot_in_value_and_gradients():
             assert a.dtype == b.dtype and a.shape == b.shape
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                        rtol=CHUNKED_HEAD_RTOL, atol=CHUNKED_HEAD_ATOL)
+
+
+def test_gpu_lm_head_backward_runs_bf16_dots_within_one_rounding_of_the_fp32_reference():
+    """Lowered for a GPU with bf16 activations, `lm_loss`'s one-dot head is `chunked_lse` in one chunk whose two
+    backward dots take bf16 operands (the bf16 GEMM rate, where autodiff runs them in fp32 over the fp32
+    [T, V] gradient); the loss is the reference's and the gradients within one bf16 rounding of it."""
+    h, head, t, mask = _loss_inputs(3.0, V=64, T=32, D=16)
+    mask = jnp.ones_like(t, bool)
+    hb = h.astype(jnp.bfloat16)
+    grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))(hb, head)
+    v_ref, g_ref = grad(lambda h, w: _reference_loss(h, w, t, mask))
+    with kernel_choice.targeting_gpu():  # traced as for a GPU; nothing in it needs one to run
+        v, g = grad(lambda h, w: lm_loss(h, w, t, mask, 1e-4)["loss"])
+        bwd = jax.make_jaxpr(jax.vjp(lambda h, w: chunked_lse(h, w, t[0], 64), hb[0], head)[1])(
+            (jnp.ones(32, jnp.float32), jnp.ones(32, jnp.float32)))
+    np.testing.assert_allclose(v, v_ref, rtol=CHUNKED_HEAD_RTOL)
+    for a, b in zip(g, g_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=BF16_HEAD_GRAD_RTOL, atol=BF16_HEAD_GRAD_ATOL)
+    dots = [e for e in bwd.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2
+    for e in dots:  # bf16 x bf16 -> fp32: no dot over the fp32 [T, V] gradient
+        assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16], e
+        assert e.outvars[0].aval.dtype == jnp.float32
 
 
 # One U*F-wide dot sums over the U shared experts inside its accumulation, the loop adds U outputs: fp32

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from moejax.config import ModelConfig
+from moejax.model import kernel_choice
 from moejax.model.attention import Attention, KernelFn, attention, flash_kernel
 from moejax.model.layers import Norm, pytree_dataclass, trunc_normal
 from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, MoE, RoutedFn, moe_block, routed_local_with_stats
@@ -104,7 +105,12 @@ def chunked_lse(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"], t_T: In
     [T, V] array: at issue 11's CPU shape that join alone was a 128 MB copy taking ~60 ms of the step, and
     slicing its gradient apart again ~18 ms; without them the step ran 1.022-1.032x faster (docs/LOG.md,
     2026-12-03). Backward: per chunk, the softmax gradient and its two dots; dh is summed over the chunks
-    (fp32), so only its summation order differs from one dot. Targets must lie in [0, V)."""
+    (fp32), so only its summation order differs from one dot. The softmax gradient is computed in fp32 from
+    the fp32 logits; lowering for a GPU, the two dots then take it in the activations' dtype with fp32
+    accumulation, as every other layer's backward takes its cotangent: with bf16 activations they run at the
+    bf16 GEMM rate instead of as TF32 dots over an fp32 [T, V] gradient (shape G's roofline 126.1 -> 121.2
+    ms, docs/LOG.md 2026-12-04). Elsewhere they run in fp32. On a GPU `lm_loss`'s one-dot head is this with
+    a single chunk. Targets must lie in [0, V)."""
     if chunk < 1:
         raise ValueError(f"chunked_lse needs a positive chunk of vocab columns, got {chunk}")
     return _chunked_lse(h_TD, lm_head.astype(h_TD.dtype), t_T, chunk)
@@ -139,13 +145,16 @@ def _chunked_lse_fwd(h_TD, w_DV, t_T, chunk):
 def _chunked_lse_bwd(chunk, res, cotangents):
     h_TD, w_DV, t_T, logits, lse_T = res
     dlse_T, dtarget_T = cotangents
-    h32_DT = h_TD.T.astype(jnp.float32)
+    dot32 = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    # bf16 dots on XLA:CPU cost more than fp32 ones (the tiny demo's step 2-3% slower): there fp32.
+    gemm_dtype = h_TD.dtype if kernel_choice.lowering_for_gpu() else jnp.float32
     dh_TD, dw_chunks = 0.0, []
     for l_TC, s in zip(logits, _vocab_slices(w_DV.shape[1], chunk)):
         hit_TC = jnp.arange(s.start, s.stop)[None, :] == t_T[:, None]
         g_TC = jnp.exp(l_TC - lse_T[:, None]) * dlse_T[:, None] + jnp.where(hit_TC, dtarget_T[:, None], 0.0)
-        dh_TD = dh_TD + jnp.dot(g_TC, w_DV[:, s].T.astype(jnp.float32))
-        dw_chunks.append(jnp.dot(h32_DT, g_TC))
+        g_TC = g_TC.astype(gemm_dtype)
+        dh_TD = dh_TD + dot32(g_TC, w_DV[:, s].T.astype(gemm_dtype))
+        dw_chunks.append(dot32(h_TD.T.astype(gemm_dtype), g_TC))
     return dh_TD.astype(h_TD.dtype), jnp.concatenate(dw_chunks, axis=-1).astype(w_DV.dtype), None
 
 
@@ -225,7 +234,8 @@ def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int
     """Masked mean cross-entropy and z-loss over fp32 logits; `loss` = ce + z_loss_weight * mean(lse^2).
     `vocab_block` > 0: streamed (`_streamed_lse`: a scan that recomputes each block's logits in the
     backward, for memory); else `vocab_chunk` > 0: `chunked_lse`, which keeps its column chunks of logits
-    for the backward, never joined (for speed on CPU, `head_chunk`); else one dot."""
+    for the backward, never joined (for speed on CPU, `head_chunk`); else one dot: on a GPU `chunked_lse`
+    with one chunk (bf16 dots in its backward), elsewhere autodiff's (`lse_reference`)."""
     h_TD = h.reshape(-1, h.shape[-1])
     t_T = targets.reshape(-1)
     w_T = loss_mask.reshape(-1).astype(jnp.float32)
@@ -233,14 +243,22 @@ def lm_loss(h: Float[Array, "B S D"], lm_head: Float[Array, "D V"], targets: Int
         lse, target_logit = _streamed_lse(h_TD, lm_head.astype(h.dtype), t_T, vocab_block)
     elif 0 < vocab_chunk < lm_head.shape[1]:
         lse, target_logit = chunked_lse(h_TD, lm_head, t_T, vocab_chunk)
-    else:
-        logits = lm_logits(h_TD, lm_head)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
+    elif kernel_choice.lowering_for_gpu():  # one chunk, for its backward's bf16 dots
+        lse, target_logit = chunked_lse(h_TD, lm_head, t_T, lm_head.shape[1])
+    else:  # on CPU autodiff's one dot ran the tiny demo's step 1-3% faster than one chunk (2026-12-04)
+        lse, target_logit = lse_reference(h_TD, lm_head, t_T)
     n = jnp.maximum(jnp.sum(w_T), 1.0)
     ce = jnp.sum((lse - target_logit) * w_T) / n
     z = jnp.sum(lse * lse * w_T) / n
     return {"loss": ce + z_loss_weight * z, "cross_entropy_loss": ce, "z_loss": z, "tokens": jnp.sum(w_T)}
+
+
+def lse_reference(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"],
+                  t_T: Int[Array, "T"]) -> tuple[Float[Array, "T"], Float[Array, "T"]]:
+    """(logsumexp, target logit) of `lm_logits`, differentiated by autodiff (its backward's dots take the
+    fp32 logits' gradient, so they run in fp32): `chunked_lse`'s reference, and the one-dot head off GPUs."""
+    logits = lm_logits(h_TD, lm_head)
+    return jax.nn.logsumexp(logits, axis=-1), jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
 
 
 def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
