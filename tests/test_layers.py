@@ -5,6 +5,7 @@ import contextlib
 from dataclasses import replace
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -245,6 +246,47 @@ def test_gpu_lm_head_backward_runs_bf16_dots_within_one_rounding_of_the_fp32_ref
     for e in dots:  # bf16 x bf16 -> fp32: no dot over the fp32 [T, V] gradient
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16], e
         assert e.outvars[0].aval.dtype == jnp.float32
+
+
+def _dots_in(jaxpr) -> list:
+    """Every dot_general of a jaxpr, also inside its scans and other sub-jaxprs."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(e)
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            out += _dots_in(sub)
+    return out
+
+
+def test_streamed_lm_head_backward_recomputes_blocks_with_bf16_dots_on_gpu():
+    """`loss_vocab_block` (the ladder's and hero's LM head): value and (h, W) gradients equal autodiff's one dot
+    with a padded last block (64 = 2 x 24 + 16), in fp32 on CPU; lowered for a GPU with bf16 activations its
+    backward's dots all take bf16 operands (each block's recomputed logits and both gradient dots) and its
+    gradients stay within one bf16 rounding of the fp32-gradient reference."""
+    h, head, t, mask = _loss_inputs(3.0, V=64, T=32, D=16)
+    mask = jnp.ones_like(t, bool)
+    streamed = lambda h, w: lm_loss(h, w, t, mask, 1e-4, vocab_block=24)["loss"]
+    grad = lambda f, h: jax.value_and_grad(f, argnums=(0, 1))(h, head)
+    (v, g), (v_ref, g_ref) = grad(streamed, h), grad(lambda h, w: _reference_loss(h, w, t, mask), h)
+    np.testing.assert_allclose(v, v_ref, rtol=CHUNKED_HEAD_RTOL)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=CHUNKED_HEAD_RTOL, atol=CHUNKED_HEAD_ATOL)
+    hb = h.astype(jnp.bfloat16)
+    v_ref, g_ref = grad(lambda h, w: _reference_loss(h, w, t, mask), hb)
+    with kernel_choice.targeting_gpu():
+        v, g = grad(lambda h, w: lm_loss(h, w, t, mask, 1e-4, vocab_block=24)["loss"], hb)
+        bwd = jax.make_jaxpr(jax.vjp(lambda h, w: lm_loss(h, w, t, mask, 1e-4, vocab_block=24)["loss"], hb, head)[1])(
+            jnp.ones((), jnp.float32))
+    np.testing.assert_allclose(v, v_ref, rtol=CHUNKED_HEAD_RTOL)
+    for a, b in zip(g, g_ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=BF16_HEAD_GRAD_RTOL, atol=BF16_HEAD_GRAD_ATOL)
+    dots = _dots_in(bwd.jaxpr)
+    assert len(dots) == 3  # in the backward scan's body: the block's logits, dh and dW
+    for e in dots:
+        assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16], e
 
 
 # One U*F-wide dot sums over the U shared experts inside its accumulation, the loop adds U outputs: fp32

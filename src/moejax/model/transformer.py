@@ -262,29 +262,75 @@ def lse_reference(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"],
 
 
 def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
-    """Online logsumexp over vocab blocks (remat per block): O(T * block) fp32 live logits."""
-    d, v = lm_head_DV.shape
-    n_blocks = -(-v // block)
-    pad = n_blocks * block - v
-    w_NDB = jnp.pad(lm_head_DV, ((0, 0), (0, pad))).reshape(d, n_blocks, block).transpose(1, 0, 2)
+    """Online logsumexp over vocab blocks: O(T * block) fp32 live logits. Custom VJP: the backward recomputes
+    each block's logits and, like `chunked_lse`'s, takes their fp32 softmax gradient into its two dots in
+    the activations' dtype when lowering for a GPU (bf16 GEMMs, not TF32 dots over an fp32 gradient: the
+    d1024 rung's roofline 307.4 -> 269.1 ms, docs/LOG.md 2026-12-04), in fp32 elsewhere. Autodiff of the
+    rematted scan gave the same FLOPs with fp32 dots."""
+    return _streamed(h_TD, lm_head_DV, t_T, block)
 
-    @jax.checkpoint
+
+def _vocab_blocks(w_DV: Float[Array, "D V"], block: int) -> Float[Array, "N D B"]:
+    """The LM head's columns in blocks of `block`, the last padded with zero columns."""
+    d, v = w_DV.shape
+    n_blocks = -(-v // block)
+    return jnp.pad(w_DV, ((0, 0), (0, n_blocks * block - v))).reshape(d, n_blocks, block).transpose(1, 0, 2)
+
+
+def _block_logits(h_TD, w_DB, i, v: int) -> tuple[Float[Array, "T B"], Int[Array, "B"]]:
+    """Block i's fp32 logits (-inf on the padding columns past v) and its column ids."""
+    col_B = i * w_DB.shape[1] + jnp.arange(w_DB.shape[1])
+    logits = jnp.einsum("td,db->tb", h_TD, w_DB, preferred_element_type=jnp.float32)
+    return jnp.where(col_B[None, :] < v, logits, -jnp.inf), col_B
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _streamed(h_TD, w_DV, t_T, block: int):
+    return _streamed_fwd(h_TD, w_DV, t_T, block)[0]
+
+
+def _streamed_fwd(h_TD, w_DV, t_T, block):
+    v = w_DV.shape[1]
+    w_NDB = _vocab_blocks(w_DV, block)
+
     def step(carry, xs):
         m, s, tl = carry
-        w_DB, i = xs
-        logits = jnp.einsum("td,db->tb", h_TD, w_DB, preferred_element_type=jnp.float32)
-        col = i * block + jnp.arange(block)
-        logits = jnp.where(col[None, :] < v, logits, -jnp.inf)
+        logits, col = _block_logits(h_TD, *xs, v)
         m_new = jnp.maximum(m, jnp.max(logits, -1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(logits - m_new[:, None]), -1)
-        hit = col[None, :] == t_T[:, None]
-        tl = tl + jnp.sum(jnp.where(hit, logits, 0.0), -1)
+        tl = tl + jnp.sum(jnp.where(col[None, :] == t_T[:, None], logits, 0.0), -1)
         return (m_new, s, tl), None
 
     t = h_TD.shape[0]
     init = (jnp.full((t,), -jnp.inf, jnp.float32), jnp.zeros((t,), jnp.float32), jnp.zeros((t,), jnp.float32))
-    (m, s, tl), _ = jax.lax.scan(step, init, (w_NDB, jnp.arange(n_blocks)))
-    return m + jnp.log(s), tl
+    (m, s, tl), _ = jax.lax.scan(step, init, (w_NDB, jnp.arange(w_NDB.shape[0])))
+    lse = m + jnp.log(s)
+    return (lse, tl), (h_TD, w_DV, t_T, lse)
+
+
+def _streamed_bwd(block, res, cotangents):
+    h_TD, w_DV, t_T, lse_T = res
+    dlse_T, dtarget_T = cotangents
+    d, v = w_DV.shape
+    gemm_dtype = h_TD.dtype if kernel_choice.lowering_for_gpu() else jnp.float32  # as in `_chunked_lse_bwd`
+    dot32 = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    h_g = h_TD.astype(gemm_dtype)
+
+    def step(dh_TD, xs):
+        w_DB = xs[0]
+        logits, col = _block_logits(h_TD, *xs, v)
+        g_TB = jnp.exp(logits - lse_T[:, None]) * dlse_T[:, None] + jnp.where(
+            col[None, :] == t_T[:, None], dtarget_T[:, None], 0.0)
+        g_TB = g_TB.astype(gemm_dtype)
+        return dh_TD + dot32(g_TB, w_DB.T.astype(gemm_dtype)), dot32(h_g.T, g_TB)
+
+    w_NDB = _vocab_blocks(w_DV, block)
+    dh_TD, dw_NDB = jax.lax.scan(step, jnp.zeros(h_TD.shape, jnp.float32), (w_NDB, jnp.arange(w_NDB.shape[0])))
+    dw_DV = dw_NDB.transpose(1, 0, 2).reshape(d, -1)[:, :v]
+    return dh_TD.astype(h_TD.dtype), dw_DV.astype(w_DV.dtype), None
+
+
+_streamed.defvjp(_streamed_fwd, _streamed_bwd)
 
 
 def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
