@@ -110,15 +110,21 @@ def newton_schulz(x: jax.Array, ns_steps: int = 5, kernel: dict | None = None) -
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {x.shape}")
     a, b, c = NS_COEFFS
-    matmul_add = _matmul_add_xla if kernel is None else functools.partial(ns_gpu.matmul_add, **kernel)
     shape = x.shape
-    x = x.reshape(-1, *shape[-2:]).astype(jnp.float32)
+    if kernel is None:
+        matmul_add = _matmul_add_xla
+    else:  # the kernel takes one stack axis. The leading dims stay as they are for XLA: merging them would
+        # merge a sharded axis (experts) with others, and GSPMD would gather every expert stack to every
+        # device (the hero's 8K step: 1.5 TB a device and 64 PFLOP of replicated Newton-Schulz, 2026-12-04).
+        matmul_add = functools.partial(ns_gpu.matmul_add, **kernel)
+        x = x.reshape(-1, *shape[-2:])
+    x = x.astype(jnp.float32)
     x = (x / (_matrix_norm(x) + _NS_EPS)).astype(jnp.bfloat16)  # spectral norm <= 1 before iterating
     transposed = shape[-2] > shape[-1]  # iterate on the wide orientation: X X^T is the small Gram matrix
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
     for _ in range(ns_steps):
-        gram = jnp.einsum("nik,njk->nij", x, x)
+        gram = jnp.einsum("...ik,...jk->...ij", x, x)
         x = matmul_add(matmul_add(gram, gram, gram, c, b), x, x, 1.0, a)
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
@@ -126,9 +132,9 @@ def newton_schulz(x: jax.Array, ns_steps: int = 5, kernel: dict | None = None) -
 
 
 def _matmul_add_xla(p: jax.Array, q: jax.Array, r: jax.Array, alpha: float, beta: float) -> jax.Array:
-    """beta r + alpha (p @ q) per matrix of the batch, in the operands' dtype (XLA leaves the add a kernel of
-    its own; `ns_gpu.matmul_add` is the fused form)."""
-    return beta * r + alpha * jnp.einsum("nij,njk->nik", p, q)
+    """beta r + alpha (p @ q) per matrix of the stack (any leading dims), in the operands' dtype (XLA leaves
+    the add a kernel of its own; `ns_gpu.matmul_add` is the fused form)."""
+    return beta * r + alpha * jnp.einsum("...ij,...jk->...ik", p, q)
 
 
 def _ns_kernel(u: jax.Array, one_device: bool) -> dict | None:
