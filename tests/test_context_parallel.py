@@ -109,6 +109,32 @@ def test_halo_is_a_collective_permute_not_a_gather():
     assert "collective-permute" in hlo and "all-gather" not in hlo
 
 
+def _cp_gradient_hlo(cfg, batch, context: int, remat) -> str:
+    """The compiled CP gradient of `model_loss` (one chunk per device, layers unrolled) under this remat."""
+    par = ParallelConfig(expert=N_SEQS * context, cf_send=NO_DROP_CF, cf_recv=NO_DROP_CF)
+    mesh = make_mesh(par)
+    params = Transformer.init(cfg, jax.random.key(0))
+    params = jax.device_put(params, param_shardings(params, mesh))
+    chunks = jax.device_put(chunk_rows(batch, context), batch_sharding(mesh))
+    routed = moe_backend(par, mesh)
+    loss = lambda p, b: model_loss(p, b, cfg, routed, remat=remat, context=context, scan_layers=False)[0]
+    return jax.jit(jax.grad(loss)).lower(params, chunks).compile().as_text()
+
+
+def test_remat_keeps_the_halo_instead_of_exchanging_it_again():
+    """Every remat policy saves the context-parallel halo (`layers.SAVE_HALO`), so the backward's re-forward
+    does not exchange it again: as many collective-permutes as without remat (at 262K, recomputed inside
+    the global layers' branch, the exchange was an all-gather of K and V to every device: docs/LOG.md
+    2026-12-04)."""
+    cfg = toy_model(window=12, n_layers=2)
+    batch = {k: np.asarray(v) for k, v in toy_batch(cfg, N_SEQS, SEQ, seed=3, doc_lens=DOC_LENS).items()}
+    count = lambda remat: _cp_gradient_hlo(cfg, batch, 4, remat).count("collective-permute(")
+    plain = count(False)
+    assert plain > 0
+    for remat in ("nothing", True):  # the hero's policy, and the default ("transport")
+        assert count(remat) == plain, remat
+
+
 # ---- the micro context schedule: train through every phase change, CP up to 4, exact resume -------------
 MICRO_SCHEDULE = "0.375:512:cf=2.0,0.75:1024"  # 128 -> 512 (2 sequences, CP 2) -> 1024 (1 sequence, CP 4)
 

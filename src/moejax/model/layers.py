@@ -19,9 +19,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from moejax.model import kernel_choice
+
+# The rolled tails of `front_extend` (the context-parallel halo), named so that every block remat policy keeps
+# them (`transformer.REMAT_POLICIES`) instead of exchanging them again in the backward.
+SAVE_HALO = "cp_halo"
 
 
 def pytree_dataclass(cls):
@@ -139,7 +144,7 @@ def front_extend(a: Array, n: int, context: int, fill) -> Array:
         take = min(seq, n - (hop - 1) * seq)
         empty = jnp.full((rows, take, *a.shape[2:]), fill, a.dtype)
         if hop < context:
-            tail = jnp.roll(a[:, seq - take:], hop, axis=0)  # row r reads row r - hop
+            tail = checkpoint_name(jnp.roll(a[:, seq - take:], hop, axis=0), SAVE_HALO)  # row r reads row r - hop
             empty = jnp.where(chunk_idx >= hop, tail, empty)
         parts.insert(0, empty)
     return jnp.concatenate(parts, axis=1) if n else a

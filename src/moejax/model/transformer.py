@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 from moejax.config import ModelConfig
 from moejax.model import kernel_choice
 from moejax.model.attention import Attention, KernelFn, attention, flash_kernel
-from moejax.model.layers import Norm, pytree_dataclass, trunc_normal
+from moejax.model.layers import SAVE_HALO, Norm, pytree_dataclass, trunc_normal
 from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, MoE, RoutedFn, moe_block, routed_local_with_stats
 
 
@@ -163,10 +163,13 @@ _chunked_lse.defvjp(_chunked_lse_fwd, _chunked_lse_bwd)
 
 LayerHook = Callable[[dict], dict]
 WeightsFn = Callable[["Block"], "Block"]  # one layer's weights as the layer uses them
-# What a rematerialised block keeps (TrainConfig.remat_saves): the transport's all-to-all results, or less.
-REMAT_POLICIES = {"transport": jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_RETURN),
-                  "dispatch": jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH),
-                  "nothing": jax.checkpoint_policies.nothing_saveable}
+# What a rematerialised block keeps (TrainConfig.remat_saves): the transport's all-to-all results, or less;
+# always the context-parallel halo. Recomputed, the halo was exchanged again inside the global layers'
+# branch, where the partitioner made it an all-gather of K and V to every device: the hero's 262K phase
+# compiled to 363 GB a device, 241 GB with the halo kept (docs/LOG.md 2026-12-04).
+REMAT_POLICIES = {"transport": jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_RETURN, SAVE_HALO),
+                  "dispatch": jax.checkpoint_policies.save_only_these_names(SAVE_DISPATCH, SAVE_HALO),
+                  "nothing": jax.checkpoint_policies.save_only_these_names(SAVE_HALO)}
 TOKEN_STATS = ("margins", "token_mask")  # [T, E] / [T] per layer: never stacked over layers
 
 
