@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,6 +41,16 @@ def toy_batch(cfg, batch=2, seq=16, seed=0, doc_lens=((5, 11), (16,))):
     return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
             "segment_ids": jnp.asarray(seg[:, :-1]), "positions": jnp.asarray(pos[:, :-1]),
             "loss_mask": jnp.asarray((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0))}
+
+
+def all_eqns(jaxpr) -> list:
+    """Every equation of a jaxpr, those of its sub-jaxprs (scans, conds, custom VJPs, remat, shard_map) too."""
+    out = []
+    for e in jaxpr.eqns:
+        out.append(e)
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            out += all_eqns(sub)
+    return out
 
 
 def rand_tree_like(tree, key, scale=0.1):

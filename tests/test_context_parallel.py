@@ -38,16 +38,19 @@ SEQ, N_SEQS = 32, 2
 DOC_LENS = ((5, 11, 10, 6), (13, 12))
 
 
-def _run(cfg, batch, context: int, kernel: bool = False):
-    """Loss, grads and drop count with `context` chunks per sequence, one chunk per device (EP mesh);
-    `kernel`: attention through the flash kernel per batch shard (interpreted here), not XLA."""
-    rows = N_SEQS * context
-    par = ParallelConfig(expert=rows, cf_send=NO_DROP_CF, cf_recv=NO_DROP_CF)
+def _placed(cfg, batch, context: int):
+    """(mesh, params, chunked batch, routed experts) with one chunk per device on an EP mesh."""
+    par = ParallelConfig(expert=N_SEQS * context, cf_send=NO_DROP_CF, cf_recv=NO_DROP_CF)
     mesh = make_mesh(par)
     params = Transformer.init(cfg, jax.random.key(0))
     params = jax.device_put(params, param_shardings(params, mesh))
-    chunks = jax.device_put(chunk_rows(batch, context), batch_sharding(mesh))
-    routed = moe_backend(par, mesh)
+    return mesh, params, jax.device_put(chunk_rows(batch, context), batch_sharding(mesh)), moe_backend(par, mesh)
+
+
+def _run(cfg, batch, context: int, kernel: bool = False):
+    """Loss, grads and drop count with `context` chunks per sequence, one chunk per device (EP mesh);
+    `kernel`: attention through the flash kernel per batch shard (interpreted here), not XLA."""
+    mesh, params, chunks, routed = _placed(cfg, batch, context)
     attend = attention_kernel(mesh) if kernel else flash_kernel
 
     def f(p, b):
@@ -111,12 +114,7 @@ def test_halo_is_a_collective_permute_not_a_gather():
 
 def _cp_gradient_hlo(cfg, batch, context: int, remat) -> str:
     """The compiled CP gradient of `model_loss` (one chunk per device, layers unrolled) under this remat."""
-    par = ParallelConfig(expert=N_SEQS * context, cf_send=NO_DROP_CF, cf_recv=NO_DROP_CF)
-    mesh = make_mesh(par)
-    params = Transformer.init(cfg, jax.random.key(0))
-    params = jax.device_put(params, param_shardings(params, mesh))
-    chunks = jax.device_put(chunk_rows(batch, context), batch_sharding(mesh))
-    routed = moe_backend(par, mesh)
+    _, params, chunks, routed = _placed(cfg, batch, context)
     loss = lambda p, b: model_loss(p, b, cfg, routed, remat=remat, context=context, scan_layers=False)[0]
     return jax.jit(jax.grad(loss)).lower(params, chunks).compile().as_text()
 

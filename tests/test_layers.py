@@ -5,7 +5,6 @@ import contextlib
 from dataclasses import replace
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,7 +17,7 @@ from moejax.presets import TINY
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step, moe_metrics
-from tests.helpers import toy_batch, toy_model
+from tests.helpers import all_eqns, toy_batch, toy_model
 
 FP32_ATOL = 1e-5
 FP32_RTOL = 1e-5
@@ -248,17 +247,6 @@ def test_gpu_lm_head_backward_runs_bf16_dots_within_one_rounding_of_the_fp32_ref
         assert e.outvars[0].aval.dtype == jnp.float32
 
 
-def _dots_in(jaxpr) -> list:
-    """Every dot_general of a jaxpr, also inside its scans and other sub-jaxprs."""
-    out = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "dot_general":
-            out.append(e)
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            out += _dots_in(sub)
-    return out
-
-
 def test_streamed_lm_head_backward_recomputes_blocks_with_bf16_dots_on_gpu():
     """`loss_vocab_block` (the ladder's and hero's LM head): value and (h, W) gradients equal autodiff's one dot
     with a padded last block (64 = 2 x 24 + 16), in fp32 on CPU; lowered for a GPU with bf16 activations its
@@ -283,7 +271,7 @@ def test_streamed_lm_head_backward_recomputes_blocks_with_bf16_dots_on_gpu():
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=BF16_HEAD_GRAD_RTOL, atol=BF16_HEAD_GRAD_ATOL)
-    dots = _dots_in(bwd.jaxpr)
+    dots = [e for e in all_eqns(bwd.jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 3  # in the backward scan's body: the block's logits, dh and dW
     for e in dots:
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16], e

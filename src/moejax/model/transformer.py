@@ -128,6 +128,23 @@ def _chunk_target(logits_TC: Float[Array, "T C"], t_T: Int[Array, "T"], start: i
     return jnp.where(inside_T, picked_T, 0.0)
 
 
+def _backward_gemm_dtype(h_TD) -> jnp.dtype:
+    """The operand dtype of the LM head's backward dots: the activations' when lowering for a GPU (bf16 GEMMs,
+    fp32 accumulation), else fp32 (bf16 dots on XLA:CPU cost more: the tiny demo's step 2-3% slower)."""
+    return h_TD.dtype if kernel_choice.lowering_for_gpu() else jnp.dtype(jnp.float32)
+
+
+def _softmax_grad(logits_TC, col_C, t_T, lse_T, dlse_T, dtarget_T, dtype) -> Float[Array, "T C"]:
+    """d(loss)/d(logits) for these columns, from the fp32 logits (softmax * dlse + the target's dtarget), in
+    `dtype` for the dots that take it."""
+    hit_TC = col_C[None, :] == t_T[:, None]
+    g_TC = jnp.exp(logits_TC - lse_T[:, None]) * dlse_T[:, None] + jnp.where(hit_TC, dtarget_T[:, None], 0.0)
+    return g_TC.astype(dtype)
+
+
+_dot32 = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked_lse(h_TD, w_DV, t_T, chunk: int):
     return _chunked_lse_fwd(h_TD, w_DV, t_T, chunk)[0]
@@ -145,16 +162,13 @@ def _chunked_lse_fwd(h_TD, w_DV, t_T, chunk):
 def _chunked_lse_bwd(chunk, res, cotangents):
     h_TD, w_DV, t_T, logits, lse_T = res
     dlse_T, dtarget_T = cotangents
-    dot32 = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-    # bf16 dots on XLA:CPU cost more than fp32 ones (the tiny demo's step 2-3% slower): there fp32.
-    gemm_dtype = h_TD.dtype if kernel_choice.lowering_for_gpu() else jnp.float32
+    dt = _backward_gemm_dtype(h_TD)
+    h_DT = h_TD.T.astype(dt)
     dh_TD, dw_chunks = 0.0, []
     for l_TC, s in zip(logits, _vocab_slices(w_DV.shape[1], chunk)):
-        hit_TC = jnp.arange(s.start, s.stop)[None, :] == t_T[:, None]
-        g_TC = jnp.exp(l_TC - lse_T[:, None]) * dlse_T[:, None] + jnp.where(hit_TC, dtarget_T[:, None], 0.0)
-        g_TC = g_TC.astype(gemm_dtype)
-        dh_TD = dh_TD + dot32(g_TC, w_DV[:, s].T.astype(gemm_dtype))
-        dw_chunks.append(dot32(h_TD.T.astype(gemm_dtype), g_TC))
+        g_TC = _softmax_grad(l_TC, jnp.arange(s.start, s.stop), t_T, lse_T, dlse_T, dtarget_T, dt)
+        dh_TD = dh_TD + _dot32(g_TC, w_DV[:, s].T.astype(dt))
+        dw_chunks.append(_dot32(h_DT, g_TC))
     return dh_TD.astype(h_TD.dtype), jnp.concatenate(dw_chunks, axis=-1).astype(w_DV.dtype), None
 
 
@@ -264,15 +278,6 @@ def lse_reference(h_TD: Float[Array, "T D"], lm_head: Float[Array, "D V"],
     return jax.nn.logsumexp(logits, axis=-1), jnp.take_along_axis(logits, t_T[:, None], axis=-1)[:, 0]
 
 
-def _streamed_lse(h_TD, lm_head_DV, t_T, block: int):
-    """Online logsumexp over vocab blocks: O(T * block) fp32 live logits. Custom VJP: the backward recomputes
-    each block's logits and, like `chunked_lse`'s, takes their fp32 softmax gradient into its two dots in
-    the activations' dtype when lowering for a GPU (bf16 GEMMs, not TF32 dots over an fp32 gradient: the
-    d1024 rung's roofline 307.4 -> 269.1 ms, docs/LOG.md 2026-12-04), in fp32 elsewhere. Autodiff of the
-    rematted scan gave the same FLOPs with fp32 dots."""
-    return _streamed(h_TD, lm_head_DV, t_T, block)
-
-
 def _vocab_blocks(w_DV: Float[Array, "D V"], block: int) -> Float[Array, "N D B"]:
     """The LM head's columns in blocks of `block`, the last padded with zero columns."""
     d, v = w_DV.shape
@@ -288,7 +293,12 @@ def _block_logits(h_TD, w_DB, i, v: int) -> tuple[Float[Array, "T B"], Int[Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _streamed(h_TD, w_DV, t_T, block: int):
+def _streamed_lse(h_TD, w_DV, t_T, block: int):
+    """Online logsumexp over vocab blocks: O(T * block) fp32 live logits. Custom VJP: the backward recomputes
+    each block's logits and, like `chunked_lse`'s, takes their fp32 softmax gradient into its two dots in
+    the activations' dtype when lowering for a GPU (bf16 GEMMs, not TF32 dots over an fp32 gradient: the
+    d1024 rung's roofline 307.4 -> 269.1 ms, docs/LOG.md 2026-12-04), in fp32 elsewhere. Autodiff of the
+    rematted scan gave the same FLOPs with fp32 dots."""
     return _streamed_fwd(h_TD, w_DV, t_T, block)[0]
 
 
@@ -315,17 +325,13 @@ def _streamed_bwd(block, res, cotangents):
     h_TD, w_DV, t_T, lse_T = res
     dlse_T, dtarget_T = cotangents
     d, v = w_DV.shape
-    gemm_dtype = h_TD.dtype if kernel_choice.lowering_for_gpu() else jnp.float32  # as in `_chunked_lse_bwd`
-    dot32 = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
-    h_g = h_TD.astype(gemm_dtype)
+    dt = _backward_gemm_dtype(h_TD)
+    h_DT = h_TD.T.astype(dt)
 
     def step(dh_TD, xs):
-        w_DB = xs[0]
         logits, col = _block_logits(h_TD, *xs, v)
-        g_TB = jnp.exp(logits - lse_T[:, None]) * dlse_T[:, None] + jnp.where(
-            col[None, :] == t_T[:, None], dtarget_T[:, None], 0.0)
-        g_TB = g_TB.astype(gemm_dtype)
-        return dh_TD + dot32(g_TB, w_DB.T.astype(gemm_dtype)), dot32(h_g.T, g_TB)
+        g_TB = _softmax_grad(logits, col, t_T, lse_T, dlse_T, dtarget_T, dt)
+        return dh_TD + _dot32(g_TB, xs[0].T.astype(dt)), _dot32(h_DT, g_TB)
 
     w_NDB = _vocab_blocks(w_DV, block)
     dh_TD, dw_NDB = jax.lax.scan(step, jnp.zeros(h_TD.shape, jnp.float32), (w_NDB, jnp.arange(w_NDB.shape[0])))
@@ -333,7 +339,7 @@ def _streamed_bwd(block, res, cotangents):
     return dh_TD.astype(h_TD.dtype), dw_DV.astype(w_DV.dtype), None
 
 
-_streamed.defvjp(_streamed_fwd, _streamed_bwd)
+_streamed_lse.defvjp(_streamed_fwd, _streamed_bwd)
 
 
 def model_loss(params: Transformer, batch: dict, cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
