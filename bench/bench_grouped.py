@@ -11,13 +11,17 @@ credited). Rows:
   (output x contraction tile; the weight-gradient tile the same), to pick `GemmTiles` on a GPU;
 - ragged_dot: rows pre-sorted by expert, group sizes given (E x emulated on CPU and GPU);
 - dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
-grouped / dense is the issue-11 target (>= 60% on GPU). Times are the median of --reps after one warm-up
-call (compile excluded); the paths take turns rep by rep, so a busy machine slows them alike. A path that fails (e.g. ragged_dot's allocation at E=384) prints its error.
+grouped / dense is the issue-11 target (>= 60% on GPU): per E, the default grouped path and the dense dot are
+timed and printed first, then the other rows, so a time limit that cuts the sweep short still leaves the
+headline. Times are the median of --reps after one warm-up call (compile excluded); the paths of a group take
+turns rep by rep, so a busy machine slows them alike. A path that fails (e.g. ragged_dot's allocation at
+E=384) prints its error.
 
 Usage: python bench/bench_grouped.py [--rows 16384] [--z 256] [--f 256] [--experts 32 128] [--dtype float32]
        [--block-sizes 64 128 256] [--reps 5] [--no-ragged]
 On a GPU the defaults are issue 11's shape: --rows 262144 --z 512 --f 512 --experts 64 384 --dtype bfloat16
---block-sizes 128 256 512.
+--block-sizes 128 256 512, without ragged_dot (--ragged to add it: 5.7 TFLOP/s at E=64 and out of memory at
+E=384 on an H200, issue 11; its dense emulation took most of the first session's 130 s limit).
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, make_layout, to_blocks
 
 
+DENSE = "dense dot (same FLOPs)"
+
 # Defaults on a GPU: issue 11's measurement (262,144 rows x 512 x 512, bf16, E=64 and 384).
-GPU_DEFAULTS = dict(rows=262_144, z=512, f=512, experts=[64, 384], dtype="bfloat16", block_sizes=[128, 256, 512])
+GPU_DEFAULTS = dict(rows=262_144, z=512, f=512, experts=[64, 384], dtype="bfloat16", block_sizes=[128, 256, 512],
+                    ragged=False)
 
 
 def fwd_bwd(fn, grouped: str | None = None):
@@ -79,8 +86,9 @@ def grouped_fn(block: int, n_exp: int):
     return f
 
 
-def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
-    """(label, jitted fwd+bwd, args) per path."""
+def cases(a, n_exp: int, key) -> list[list[tuple[str, object, tuple]]]:
+    """Groups of (label, jitted fwd+bwd, args): first the headline (the default grouped path, the dense dot),
+    then the rest."""
     dt = jnp.dtype(a.dtype)
     kx, kw, ke, kc = jax.random.split(key, 4)
     x_AZ = jax.random.normal(kx, (a.rows, a.z), dt)
@@ -88,8 +96,10 @@ def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
     expert_A = jax.random.randint(ke, (a.rows,), 0, n_exp)
     ct_AF = jax.random.normal(kc, (a.rows, a.f), dt)
     b_def = default_block(a.rows, n_exp)
-    out = [(f"grouped, b={b}" + (" (default)" if b == b_def else ""), fwd_bwd(grouped_fn(b, n_exp)),
-            (x_AZ, w_EZF, ct_AF, expert_A)) for b in sorted(set(a.block_sizes) | {b_def})]
+    headline = [(f"grouped, b={b_def} (default)", fwd_bwd(grouped_fn(b_def, n_exp)), (x_AZ, w_EZF, ct_AF, expert_A)),
+                (DENSE, fwd_bwd(lambda x, w: x @ w), (x_AZ, w_EZF[0], ct_AF))]
+    out = [(f"grouped, b={b}", fwd_bwd(grouped_fn(b, n_exp)), (x_AZ, w_EZF, ct_AF, expert_A))
+           for b in sorted(set(a.block_sizes) - {b_def})]
     layout = make_layout(expert_A, n_exp)
     x_NbZ = to_blocks(x_AZ, layout)
     ct_NbF = jax.random.normal(kc, x_NbZ.shape[:2] + (a.f,), dt)
@@ -108,8 +118,7 @@ def cases(a, n_exp: int, key) -> list[tuple[str, object, tuple]]:
     if a.ragged:
         sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
         out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))
-    out.append(("dense dot (same FLOPs)", fwd_bwd(lambda x, w: x @ w), (x_AZ, w_EZF[0], ct_AF)))
-    return out
+    return [headline, out]
 
 
 def parse_tiles(text: str) -> grouped_gpu.GemmTiles:
@@ -131,7 +140,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-ragged", dest="ragged", action="store_false", help="skip ragged_dot (slow on CPU)")
+    ap.add_argument("--ragged", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time ragged_dot (a dense emulation: slow; default off on GPU)")
     ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=jax.default_backend() == "gpu",
                     help="also time the Pallas grouped-GEMM kernels (default on GPU; interpreted, slowly, on CPU)")
     ap.add_argument("--tiles", nargs="*", type=parse_tiles,
@@ -149,15 +159,16 @@ def main() -> None:
     print("| E | path | ms | TFLOP/s | / dense |")
     print("|---|---|---|---|---|")
     for n_exp in a.experts:
-        runs = cases(a, n_exp, jax.random.key(n_exp))
-        times = time_interleaved(runs, a.reps)
-        dense = times[runs[-1][0]]
-        for label, t in times.items():
-            if isinstance(t, str):
-                print(f"| {n_exp} | {label} | {t} | | |")
-            else:
-                ratio = f"{dense / t:.2f}" if isinstance(dense, float) else ""
-                print(f"| {n_exp} | {label} | {1e3 * t:.1f} | {flops / t / 1e12:.3f} | {ratio} |")
+        dense = None
+        for group in cases(a, n_exp, jax.random.key(n_exp)):
+            times = time_interleaved(group, a.reps)
+            dense = times.get(DENSE, dense)
+            for label, t in times.items():
+                if isinstance(t, str):
+                    print(f"| {n_exp} | {label} | {t} | | |", flush=True)
+                else:
+                    ratio = f"{dense / t:.2f}" if isinstance(dense, float) else ""
+                    print(f"| {n_exp} | {label} | {1e3 * t:.1f} | {flops / t / 1e12:.3f} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def check_grouped(n_exp: int, rows: int, width: int, dtype: str) -> dict:
 
 
 def check_flash(seq: int, heads: int, kv_heads: int, head_dim: int, window: int | None, earlier: int, dtype: str,
-                blocks: FlashBlocks) -> dict:
+                blocks: FlashBlocks | None) -> dict:
     rng = np.random.default_rng(seq + kv_heads + earlier)
     batch, dt = 2, jnp.dtype(dtype)
     q = jnp.asarray(rng.normal(size=(batch, seq, heads, head_dim)), dt)
@@ -141,7 +141,7 @@ def main() -> int:
         grouped = [(e, 8192, 256, dt) for e in (64, 384) for dt in ("bfloat16", "float32")]
         flash = [(1024, 8, 2, 128, 256, 0), (1024, 8, 1, 128, None, 0), (1024, 8, 1, 128, None, 256),
                  (1024, 8, 2, 128, 256, 256)]
-        blocks = FlashBlocks()
+        blocks = None  # the kernel's defaults for each dtype (FlashBlocks.for_dtype)
     results = [check_grouped(*g) for g in grouped] + [check_ns(4, 64) if a.smoke else check_ns(64, 512)]
     for dt in ("bfloat16", "float32"):
         results += [check_flash(*f[:5], f[5], dt, blocks) for f in flash]

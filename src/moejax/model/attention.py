@@ -46,7 +46,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from moejax.config import ModelConfig
 from moejax.model import kernel_choice
-from moejax.model.flash_gpu import FlashBlocks, flash_attention, key_padding
+from moejax.model.flash_gpu import flash_attention, key_padding
 from moejax.model.kernel_choice import ATTENTION, kernel_impl
 from moejax.model.layers import front_extend, init_conv, matmul_tokens, pytree_dataclass, rms_normalize, sconv, trunc_normal
 
@@ -98,7 +98,7 @@ def attention_impl() -> str:
 
 def flash_kernel(q, k, v, segment_ids, scale: float, window: int | None):
     """The flash kernel on this device's rows (interpreted off GPU): one device, or one batch shard."""
-    return flash_attention(q, k, v, segment_ids, scale, window, FlashBlocks(), kernel_choice.run_interpreted())
+    return flash_attention(q, k, v, segment_ids, scale, window, None, kernel_choice.run_interpreted())
 
 
 def block_mask(seg_q: Int[Array, "B Q"], seg_k: Int[Array, "B K"], q_pos: Int[Array, "Q"], k_pos: Int[Array, "K"],

@@ -50,14 +50,23 @@ class FlashBlocks:
     kernel's. The backward's are the largest tiles whose dQ and dK/dV kernels compile for an H200 with no
     register spills (a static sweep through XLA's GPU compiler and ptxas, `moejax.cuda_aot`; docs/LOG.md
     2026-12-01, fourth session): 64 x 64 on 4 warps, the earlier default, spilled ~0.4 KB per thread in dK/dV,
-    128 x 128 needs more shared memory than an SM has. Speed still wants a GPU (`bench/bench_flash.py`)."""
+    128 x 128 needs more shared memory than an SM has. Pipeline stages: on an H200 (docs/LOG.md 2026-12-04)
+    3 forward and 2 backward were 5% faster than 2 and 1 on local and global bf16 layers, but 2 backward
+    spill 16 B per thread in dK/dV (ptxas); the forward takes 3, the backward keeps 1 until a GPU run times
+    the two apart (`bench/bench_flash.py`'s rows). fp32 tiles take twice the shared memory a stage, more
+    than an SM has at 3: `for_dtype` keeps 2 for them."""
     q: int = 128
     k: int = 64
     q_bwd: int = 128
     k_bwd: int = 64
-    num_stages: int = 2  # forward
+    num_stages: int = 3  # forward
     num_stages_bwd: int = 1
     num_warps_bwd: int = 8
+
+    @classmethod
+    def for_dtype(cls, dtype) -> "FlashBlocks":
+        """The default tiles for q/k/v of this dtype: fewer pipeline stages for 4-byte elements."""
+        return cls() if jnp.dtype(dtype).itemsize <= 2 else cls(num_stages=2)
 
 
 def _compiler_params(num_warps: int, num_stages: int):
@@ -271,13 +280,19 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     return dq.astype(q.dtype), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def flash_attention(q, k, v, segment_ids, scale: float, window: int | None = None,
-                    blocks: FlashBlocks = FlashBlocks(), interpret: bool = False):
+                    blocks: FlashBlocks | None = None, interpret: bool = False):
     """q [B, S, H, Hd], k/v [B, Sk, G, Hd], segment_ids [B, Sk] int32 (per key; the queries are the last S
     keys) -> out [B, S, H, Hd] fp32.
 
-    Causal + same-segment masking; `window` (None = global) limits q - k < window."""
+    Causal + same-segment masking; `window` (None = global) limits q - k < window. `blocks`: the tiles,
+    by default `FlashBlocks.for_dtype(q.dtype)`."""
+    blocks = FlashBlocks.for_dtype(q.dtype) if blocks is None else blocks
+    return _flash(q, k, v, segment_ids, scale, window, blocks, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, segment_ids, scale: float, window: int | None, blocks: FlashBlocks, interpret: bool):
     _check(q, k, segment_ids, blocks, interpret)
     return _forward(q, k, v, segment_ids, scale, window, blocks, interpret)[0]
 
@@ -294,4 +309,4 @@ def _flash_bwd(scale, window, blocks, interpret, res, do):
     return dq, dk, dv, None
 
 
-flash_attention.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd)
