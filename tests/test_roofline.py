@@ -172,3 +172,34 @@ def test_fp32_dots_at_their_own_rate():
     for text, factor in ((f32, 2.0), (bf16, 1.0)):
         base = roofline.estimate(text, **slow_bytes)["seconds"]
         assert roofline.estimate(text, **slow_bytes, f32_dot_peak=0.5e9)["seconds"] == pytest.approx(factor * base)
+
+
+# XLA:GPU's library GEMMs as jax 0.11 compiles them for an H200 (`--xla_gpu_enable_triton_gemm=false` on a
+# deviceless compile gives the same text): the dot's dimension numbers sit in the call's backend_config, and
+# the result is (product, 4 MiB workspace). Trimmed to the fields the roofline reads.
+_GEMM_CONFIG = ('backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"beta":0,'
+                '"dot_dimension_numbers":{"lhs_contracting_dimensions":[%s],"rhs_contracting_dimensions":[%s],'
+                '"lhs_batch_dimensions":[%s],"rhs_batch_dimensions":[%s]},"epilogue":"DEFAULT"}}')
+CUBLAS_HLO = f"""HloModule gemms
+
+ENTRY %main (a: bf16[4,256,512], b: bf16[4,1024,512], c: f32[512,384], d: f32[384,96]) -> f32[512,96] {{
+  %a = bf16[4,256,512]{{2,1,0}} parameter(0)
+  %b = bf16[4,1024,512]{{2,1,0}} parameter(1)
+  %c = f32[512,384]{{1,0}} parameter(2)
+  %d = f32[384,96]{{1,0}} parameter(3)
+  %g1 = (bf16[4,256,1024]{{2,1,0}}, s8[4194304]{{0}}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", {_GEMM_CONFIG % ('"2"', '"2"', '"0"', '"0"')}
+  %g2 = (f32[512,96]{{1,0}}, s8[4194304]{{0}}) custom-call(%c, %d), custom_call_target="__cublas$gemm", {_GEMM_CONFIG % ('"1"', '"0"', "", "")}
+  ROOT %r = f32[512,96]{{1,0}} get-tuple-element(%g2), index=0
+}}
+"""
+
+
+def test_library_gemm_calls_cost_their_flops_at_the_operands_rate():
+    """A cuBLAS call is a dot: its FLOPs from the backend_config's contracting dims, its bytes the operands
+    and product (not the workspace), an fp32 one at the fp32 dot rate."""
+    r = roofline.estimate(CUBLAS_HLO, peak_flops=1e12, bandwidth=1e14, f32_dot_peak=0.5e12)  # compute-bound
+    batched, f32 = 2 * 4 * 256 * 1024 * 512, 2 * 512 * 384 * 96
+    assert r["flops"] == batched + f32 and r["unknown"] == []
+    bf16_bytes, f32_bytes = 2 * (4 * 256 * 512 + 4 * 1024 * 512 + 4 * 256 * 1024), 4 * (512 * 384 + 384 * 96 + 512 * 96)
+    assert r["bytes"] == bf16_bytes + f32_bytes
+    assert r["seconds"] == pytest.approx(batched / 1e12 + f32 / 0.5e12)

@@ -15,7 +15,8 @@ What counts (`estimate`):
 - Bytes: each kernel's operands and results, except that an operand a fusion only slices
   (dynamic-slice, slice, gather) costs what is sliced, and a dynamic-update-slice or scatter result (a scan
   writing its residuals or outputs in place; a scatter-add) costs its update.
-- FLOPs: 2 x output elements x contracted size for every dot (also inside GEMM fusions); Pallas kernels
+- FLOPs: 2 x output elements x contracted size for every dot (also inside GEMM fusions, and XLA:GPU's
+  cuBLAS calls, `LIBRARY_GEMMS`, whose dimension numbers are in their backend_config); Pallas kernels
   by name (`pallas_flops`: moejax's grouped GEMM exactly, flash attention at its causal half, which
   overstates local layers; names it doesn't know cost bytes only and are listed). Elementwise FLOPs are
   ignored: on these machines they hide under the memory traffic of the same kernel.
@@ -115,6 +116,31 @@ def _dot_flops(ins: Instr, shapes: dict[str, str]) -> float:
     return 2.0 * math.prod(out[0][1]) * contracted
 
 
+# XLA:GPU's library GEMMs (cuBLAS, cuBLASLt; hipBLASLt answers to the same names): XLA emits a dense dot as
+# one of these where its autotuner prefers the library to a Triton GEMM fusion (jax 0.11 on an H200 did so
+# for most of the step's dots). The dot's dimension numbers are in the call's backend_config; the result is
+# a tuple (the product, a workspace) or the product alone.
+LIBRARY_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def library_gemm(ins: Instr) -> bool:
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return bool(target) and target.group(1).startswith(LIBRARY_GEMMS)
+
+
+def _library_gemm_cost(ins: Instr, operand_types: list[str]) -> tuple[float, float]:
+    """FLOPs and bytes of a library GEMM call: 2 x product elements x contracted size; its operands (lhs,
+    rhs, and a bias if fused) and the product, not the workspace."""
+    out, lhs = arrays(ins.type), arrays(operand_types[0]) if operand_types else []
+    dims = _GEMM_CONTRACTING.search(ins.attrs)
+    if not out or not lhs or not dims:
+        return 0.0, nbytes(ins.type) + sum(map(nbytes, operand_types))
+    contracted = math.prod(lhs[0][1][int(d)] for d in re.findall(r"\d+", dims.group(1)))
+    product = DTYPE_BYTES[out[0][0]] * math.prod(out[0][1])
+    return 2.0 * math.prod(out[0][1]) * contracted, product + sum(map(nbytes, operand_types))
+
+
 def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> float | None:
     """FLOPs of one of moejax's Pallas kernels from its operands, or None for a kernel it doesn't know."""
     ops = [arrays(t)[0][1] if arrays(t) else () for t in operand_types]
@@ -209,7 +235,7 @@ class _Walker:
 
     def _f32_dots(self, ins: Instr) -> bool:
         """Whether this kernel's dot (or the dot of its fused body) multiplies fp32 operands."""
-        if ins.op == "dot":
+        if ins.op == "dot" or (ins.op == "custom-call" and library_gemm(ins)):
             dots = [ins]
         elif ins.op == "fusion":
             dots = [i for i in self.comps[ins.called("calls")[0]] if i.op == "dot"]
@@ -229,6 +255,8 @@ class _Walker:
                                                              if i not in (0, u))
         if ins.op in _SLICERS:
             return 0.0, 2.0 * nbytes(ins.type)
+        if ins.op == "custom-call" and library_gemm(ins):
+            return _library_gemm_cost(ins, operand_types)
         if ins.op == "custom-call":
             kernel = KERNEL_NAME.search(ins.attrs)
             flops = pallas_flops(kernel.group(1), operand_types, ins.type) if kernel else None
