@@ -8,7 +8,10 @@ issue 11's shape G: batch 8 x 4096, 8 query heads of 128, GQA on 2 KV heads (loc
 - cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`, causal + window, *no* document mask:
   an upper bound on what a vendor kernel gives, not a path moejax can use as is), where it runs.
 FLOPs are the useful ones: 4 * B * H * Hd * (pairs a causal / windowed mask keeps) forward, x 2.5 for
-fwd+bwd (the backward's 5 matmuls against the forward's 2), document masking not credited. Times are the
+fwd+bwd (the backward's 5 matmuls against the forward's 2), document masking not credited: the flash
+kernel skips blocks of other documents (`flash_gpu.document_bounds`; at mean 1024 it takes 0.39 / 0.50 of
+the global / local layers' blocks), so its figure is a causal-equivalent rate, and cuDNN, without
+documents, does all of the causal work. `--mean-doc 100000` gives one document a row. Times are the
 median of --reps after one warm-up call, paths taking turns rep by rep. A path that fails prints its error.
 
 Usage (GPU): PYTHONPATH=src python bench/bench_flash.py [--blocks 128x64,128x64 128x64,64x64:2:2:4 ...]

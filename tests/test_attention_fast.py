@@ -16,7 +16,8 @@ import pytest
 from moejax.model import attention as attn
 from moejax.model.attention import (Attention, attend_band, attend_dense, attend_query_blocks, attend_window,
                                     attend_xla, attention, attention_impl, band_applies)
-from moejax.model.flash_gpu import FlashBlocks, _key_block_range, _query_block_range, flash_attention
+from moejax.model.flash_gpu import (FlashBlocks, _key_block_range, _query_block_range, document_bounds,
+                                    flash_attention)
 from tests.helpers import toy_model
 
 RTOL_FP32 = 1e-5  # blockwise/kernel vs dense: same math, different summation order
@@ -185,26 +186,90 @@ def test_flash_kernel_local_window_equals_dense():
     _flash_vs_dense(h=4, g=2, window=6)  # window straddles key blocks of 4 and query blocks of 8
 
 
+def _ranges(seg_k, seq: int, bq: int, bk: int, window, off: int):
+    """The kernels' loop ranges for one row of per-key segment ids: per query block its key blocks, per key
+    block its query blocks (as sets)."""
+    first_k, first_q, end_q = (np.asarray(a) for a in document_bounds(jnp.asarray(seg_k)[None], seq, bq, bk))
+    keys = [set(range(*(int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window, off, jnp.int32(first_k[i])))))
+            for i in range(seq // bq)]
+    queries = [set(range(*(int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq, off,
+                                                               jnp.int32(first_q[j]), jnp.int32(end_q[j])))))
+               for j in range((off + seq) // bk)]
+    return keys, queries
+
+
+def _blocks(pairs, seq: int, bq: int, bk: int, off: int):
+    """[query block, key block] of a [S, off + S] pair mask: whether any pair in the block is set."""
+    return pairs.reshape(seq // bq, bq, (off + seq) // bk, bk).any(axis=(1, 3))
+
+
+RANGE_CASES = [(8, 4, 6), (4, 8, 6), (16, 16, 1), (8, 8, 20), (8, 4, None), (4, 4, 13)]  # bq, bk, window
+
+
 @pytest.mark.parametrize("off", [0, 4, 12, 16, 48], ids=lambda o: f"off{o}")
 def test_flash_block_ranges_are_exactly_the_needed_blocks(off):
-    """Loop bounds skip a block iff no (q, k) in it is causal and within the window (documents aside); the
-    queries sit at key positions off + [0, S) (keys extended in front, as context parallelism does)."""
+    """One document from key `start` on (before it: -1, context parallelism's padding of a sequence's first
+    chunks): the loop bounds skip a block iff no (q, k) in it is causal, within the window and a real key;
+    the queries sit at key positions off + [0, S) (keys extended in front, as context parallelism does)."""
     seq = 64
-    cases = [(bq, bk, w) for bq, bk, w in [(8, 4, 6), (4, 8, 6), (16, 16, 1), (8, 8, 20), (8, 4, None), (4, 4, 13)]
-             if (off + seq) % bk == 0]  # the kernel takes whole key blocks
+    cases = [c for c in RANGE_CASES if (off + seq) % c[1] == 0]  # the kernel takes whole key blocks
     assert cases
-    # `start`: the row's first real key (context parallelism pads the keys of a sequence's first chunks)
     for (bq, bk, window), start in itertools.product(cases, sorted({0, off // 2, off})):
         q, k = off + np.arange(seq)[:, None], np.arange(off + seq)[None, :]
         live = (q >= k) & (k >= start) & (True if window is None else q - k < window)
-        need = live.reshape(seq // bq, bq, (off + seq) // bk, bk).any(axis=(1, 3))  # [query block, key block]
+        need = _blocks(live, seq, bq, bk, off)
+        keys, queries = _ranges(np.where(np.arange(off + seq) >= start, 1, -1), seq, bq, bk, window, off)
         for i in range(seq // bq):
-            lo, hi = (int(b) for b in _key_block_range(jnp.int32(i), bq, bk, window, off, jnp.int32(start)))
-            assert list(range(lo, hi)) == list(np.flatnonzero(need[i])), (bq, bk, window, start, i)
+            assert keys[i] == set(np.flatnonzero(need[i])), (bq, bk, window, start, i)
         for j in range((off + seq) // bk):
-            lo, hi = (int(b) for b in _query_block_range(jnp.int32(j), bq, bk, window, seq // bq, off,
-                                                         jnp.int32(start)))
-            assert list(range(lo, max(lo, hi))) == list(np.flatnonzero(need[:, j])), (bq, bk, window, start, j)
+            assert queries[j] == set(np.flatnonzero(need[:, j])), (bq, bk, window, start, j)
+
+
+@pytest.mark.parametrize("off", [0, 16], ids=lambda o: f"off{o}")
+def test_flash_block_ranges_skip_other_documents(off):
+    """Packed documents (ids in order, -1 before the sequence): the loops take exactly the causal, in-window
+    blocks whose id ranges meet, every block holding a live (q, k) pair among them, and fewer blocks than
+    causality and the window alone would."""
+    seq = 64
+    rng = np.random.default_rng(off)
+    taken = reachable = 0
+    for bq, bk, window in RANGE_CASES:
+        lengths = rng.integers(1, 12, size=off + seq)
+        seg_k = np.repeat(np.arange(1, lengths.size + 1), lengths)[:off + seq]
+        seg_k[:off // 2] = -1
+        seg_q = seg_k[off:]
+        q, k = off + np.arange(seq)[:, None], np.arange(off + seq)[None, :]
+        reach = (q >= k) & (True if window is None else q - k < window)
+        need = _blocks(reach & (seg_q[:, None] == seg_k[None, :]), seq, bq, bk, off)
+        ids = lambda a, b: (a.reshape(-1, b).min(axis=1), a.reshape(-1, b).max(axis=1))
+        (q_min, q_max), (k_min, k_max) = ids(seg_q, bq), ids(seg_k, bk)
+        meet = (k_max[None, :] >= q_min[:, None]) & (k_min[None, :] <= q_max[:, None])
+        want = _blocks(reach, seq, bq, bk, off) & meet
+        keys, queries = _ranges(seg_k, seq, bq, bk, window, off)
+        for i in range(seq // bq):
+            assert keys[i] == set(np.flatnonzero(want[i])) >= set(np.flatnonzero(need[i])), (bq, bk, window, i)
+        for j in range((off + seq) // bk):
+            assert queries[j] == set(np.flatnonzero(want[:, j])) >= set(np.flatnonzero(need[:, j])), (bq, bk, j)
+        taken += sum(map(len, keys))
+        reachable += _blocks(reach, seq, bq, bk, off).sum()
+    assert taken < 0.8 * reachable, (taken, reachable)
+
+
+def test_flash_kernel_on_many_short_documents_equals_dense():
+    """Documents of 1-6 keys across blocks of 8 and 4: most key blocks skipped; values and gradients still
+    the dense core's, global and local, with earlier keys (-1 then a continued document) in front."""
+    off, blocks = 8, FlashBlocks(q=8, k=4, q_bwd=4, k_bwd=8)
+    rng = np.random.default_rng(7)
+    seg_k = np.stack([np.repeat(np.arange(1, 41), rng.integers(1, 7, size=40))[:off + S] for _ in range(B)])
+    seg_k[1, :3] = -1
+    q, _, _ = _qkv(h=4, g=2, seed=8)
+    k, v = (jax.random.normal(key, (B, off + S, 2, 8)) for key in jax.random.split(jax.random.key(9)))
+    seg_k, seg_q = jnp.asarray(seg_k, jnp.int32), jnp.asarray(seg_k[:, off:], jnp.int32)
+    for window in (None, 5):
+        mask = attn.block_mask(seg_q, seg_k, off + jnp.arange(S), jnp.arange(off + S), window)
+        want = _vjp_all(_per_head(lambda q, k, v: attn._softmax_av(q, k, v, mask, SCALE), 4), q, k, v)
+        got = _vjp_all(lambda q, k, v: flash_attention(q, k, v, seg_k, SCALE, window, blocks, True), q, k, v)
+        _assert_same(got, want)
 
 
 @pytest.mark.parametrize("off,window", [(4, None), (12, 6), (12, 15), (28, None)])
