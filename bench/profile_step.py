@@ -30,63 +30,16 @@ import shutil
 import jax
 
 from bench_train_step import bench_config, compiled_step
-from moejax import hostmem
+from moejax import hostmem, roofline
 from moejax.data.pipeline import make_data
 from moejax.presets import TINY
 
 BENCH_FRAMES = ("profile_step.py", "bench_train_step.py")  # this script's own frames: not a cost's owner
 
 
-def _section(lines: list[str], name: str) -> dict[int, str]:
-    """The numbered lines under a section header of the HLO text ("1 {...}" up to the first other line)."""
-    out, start = {}, lines.index(name) + 1
-    for line in lines[start:]:
-        m = re.match(r"(\d+) (.*)", line)
-        if not m:
-            break
-        out[int(m.group(1))] = m.group(2)
-    return out
-
-
 def source_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Per HLO instruction: its source frames, innermost first ("function:line"; [] without metadata); and its
-    op_name ("" without)."""
-    lines = hlo.split("\n")
-    if "StackFrames" not in lines:
-        return {}, {}
-    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in _section(lines, "FileNames").items()}
-    funcs = {k: v.strip('"') for k, v in _section(lines, "FunctionNames").items()}
-    locs = {}
-    for k, v in _section(lines, "FileLocations").items():
-        m = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", v)
-        locs[k] = (files[int(m.group(1))], f"{funcs[int(m.group(2))]}:{m.group(3)}")
-    parents = {}
-    for k, v in _section(lines, "StackFrames").items():
-        m = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", v)
-        parents[k] = (int(m.group(1)), int(m.group(2)))
-
-    def chain(frame: int) -> list[str]:
-        out = []
-        while frame in parents:
-            loc, parent = parents[frame]
-            if locs[loc][0] not in BENCH_FRAMES:
-                out.append(locs[loc][1])
-            if parent == frame:
-                break
-            frame = parent
-        return out
-
-    frames, ops = {}, {}
-    for line in lines:
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
-        if m:
-            # other fields (scheduling_name, deduplicated_name: GPU compiles) may sit between the two
-            meta = re.search(r"metadata=\{([^}]*)\}", line)
-            op = re.search(r'op_name="([^"]*)"', meta.group(1)) if meta else None
-            frame = re.search(r"stack_frame_id=(\d+)", meta.group(1)) if op else None
-            frames[m.group(1)] = chain(int(frame.group(1))) if frame else []
-            ops[m.group(1)] = op.group(1) if op else ""
-    return frames, ops
+    """`roofline.source_frames` without this script's own frames."""
+    return roofline.source_frames(hlo, skip_files=BENCH_FRAMES)
 
 
 def op_times(trace_dir: str) -> collections.Counter:

@@ -8,7 +8,7 @@ CPU: compiles issue 11's CPU-shape step as `bench_train_step.py` builds it, meas
 matmul peak and in-place memory bandwidth, prints the estimate, then times the real step beside it, so the
 estimate is checked against a measurement where one can be made.
 
-Usage: python bench/roofline.py --gpu G [--no-remat] [--unrolled] [--optimizer hero|adam]
+Usage: python bench/roofline.py --gpu G [--no-remat] [--unrolled] [--optimizer hero|adam] [--by-source] [--top 15]
        python bench/roofline.py --gpu d1024
        python bench/roofline.py --cpu-shape [--optimizer adam] [--steps 6]
 """
@@ -26,7 +26,7 @@ import numpy as np
 from moejax import roofline
 
 
-def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = True) -> None:
+def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = True, by_source: bool = False) -> None:
     from bench_gpu import rung_d1024, shape_g
 
     from moejax.ladder.lower import lower_train_step
@@ -34,7 +34,7 @@ def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = T
     cfg = {"G": shape_g, "d1024": rung_d1024}[shape]()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=optimizer, remat=remat,
                                                              scan_layers=scan_layers))
-    r = lower_train_step(cfg, compile=True)
+    r = lower_train_step(cfg, compile=True, top=top, by_source=by_source)
     c = r["compiled"]
     print(f"{shape} on one NVIDIA H200: batch {r['batch'][0]} x {r['batch'][1]}, remat "
           f"{remat}, layers {'scanned' if scan_layers else 'unrolled'}, optimizer {optimizer}; compiled in {r['compile_s']:.0f} s, XLA's peak "
@@ -42,7 +42,7 @@ def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = T
     print(roofline.format_estimate(c["roofline"], r["model_flops_per_device"], top=top))
 
 
-def cpu(optimizer: str, steps: int, top: int) -> None:
+def cpu(optimizer: str, steps: int, top: int, by_source: bool = False) -> None:
     import jax
 
     from bench_train_step import bench_config, compiled_step
@@ -59,7 +59,7 @@ def cpu(optimizer: str, steps: int, top: int) -> None:
     peak = max(measure_matmul_peak() for _ in range(3))
     bandwidth = max(measure_bandwidth() for _ in range(3))
     model = 3 * accounting.fwd_flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.tokens_per_step
-    est = roofline.estimate(text, peak, bandwidth)
+    est = roofline.estimate(text, peak, bandwidth, by_source=by_source)
     times = []
     for b in batches[1:]:
         t0 = time.perf_counter()
@@ -84,15 +84,17 @@ def main() -> None:
     ap.add_argument("--optimizer", choices=("hero", "adam"), default="hero")
     ap.add_argument("--steps", type=int, default=6, help="CPU: timed steps (after one warm-up)")
     ap.add_argument("--top", type=int, default=15, help="largest items listed")
+    ap.add_argument("--by-source", action="store_true",
+                    help="label items by the Python source line that emitted them, not by jax op")
     args = ap.parse_args()
     if args.cpu_shape:
-        return cpu(args.optimizer, args.steps, args.top)
+        return cpu(args.optimizer, args.steps, args.top, args.by_source)
     if not os.environ.get("MOEJAX_ROOFLINE_CHILD"):  # re-run with the CUDA compile kit on the path
         from moejax.cuda_aot import subprocess_env
 
         env = {**subprocess_env(), "MOEJAX_ROOFLINE_CHILD": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    gpu(args.gpu, args.remat, args.optimizer, args.top, args.scan_layers)
+    gpu(args.gpu, args.remat, args.optimizer, args.top, args.scan_layers, args.by_source)
 
 
 if __name__ == "__main__":

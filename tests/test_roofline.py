@@ -203,3 +203,18 @@ def test_library_gemm_calls_cost_their_flops_at_the_operands_rate():
     bf16_bytes, f32_bytes = 2 * (4 * 256 * 512 + 4 * 1024 * 512 + 4 * 256 * 1024), 4 * (512 * 384 + 384 * 96 + 512 * 96)
     assert r["bytes"] == bf16_bytes + f32_bytes
     assert r["seconds"] == pytest.approx(batched / 1e12 + f32 / 0.5e12)
+
+
+def _two_lines(a, b):
+    h = jnp.tanh(a @ b)
+    return (h @ b.T).sum()
+
+
+def test_by_source_labels_kernels_with_the_line_that_emitted_them():
+    a, b = jnp.ones((64, 128)), jnp.ones((128, 32))
+    r = roofline.estimate(_compiled(_two_lines, a, b).as_text(), peak_flops=1e11, bandwidth=1e10, by_source=True)
+    first = _two_lines.__code__.co_firstlineno
+    by_line = {label: flops for label, _, flops, _, _ in r["items"]}
+    for line, flops in ((first + 1, 2 * 64 * 128 * 32), (first + 2, 2 * 64 * 32 * 128)):
+        mine = [f for label, f in by_line.items() if f"_two_lines:{line} " in label]
+        assert sum(mine) == flops, (line, by_line)

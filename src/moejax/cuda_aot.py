@@ -130,17 +130,17 @@ def ptxas_warnings(stderr: str) -> dict:
     return out
 
 
-def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10) -> dict:
+def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10, by_source: bool = False) -> dict:
     """XLA's memory analysis of a compiled GPU executable (bytes per device), its Triton kernels by name, and
     the roofline estimate of one run on `device_kind` (`moejax.roofline`; XLA's own cost analysis is empty
-    without a device), with its `top` largest items."""
+    without a device), with its `top` largest items (`by_source`: labelled by source line)."""
     from moejax import roofline
 
     m = compiled.memory_analysis()
     text = compiled.as_text()
     peak = roofline.GPU_PEAKS[device_kind]
     est = roofline.estimate(text, peak, TARGETS[device_kind]["bandwidth"], roofline.GPU_LAUNCH_S,
-                            f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION)
+                            f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION, by_source=by_source)
     est["items"] = est["items"][:top]
     kernels: dict[str, int] = {}
     for line in text.splitlines():

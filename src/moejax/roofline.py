@@ -199,8 +199,9 @@ class Cost:
 
 class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], peak: float, bw: float, launch: float, count_trips: bool,
-                 f32_peak: float | None = None):
+                 f32_peak: float | None = None, frames: dict[str, list[str]] | None = None):
         self.comps, self.peak, self.bw, self.launch, self.count_trips = comps, peak, bw, launch, count_trips
+        self.frames = frames  # by_source: each instruction's source frames
         self.f32_peak = f32_peak or peak
         self.shapes = {i.name: i.type for c in comps.values() for i in c}
 
@@ -296,8 +297,9 @@ class _Walker:
         op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
         if kernel:
             return f"{_phase(op_name.group(1) if op_name else '')} {kernel.group(1)}"
-        op_name = re.search(r'op_name="([^"]*)"', ins.attrs)
         where = _short_op_name(op_name.group(1)) if op_name else ""
+        if self.frames is not None:  # the innermost source line, and the kind of op
+            where = f"{(self.frames.get(ins.name) or ['(no frame)'])[0]} ({where.rsplit('/', 1)[-1]})"
         kind = re.search(r"kind=(k\w+)", ins.attrs)
         what = ins.op if ins.op != "fusion" else f"fusion:{kind.group(1) if kind else ''}"
         return f"{_phase(op_name.group(1) if op_name else '')} {what} {where}".strip()
@@ -320,17 +322,71 @@ def _short_op_name(op_name: str) -> str:
     return "/".join(parts[-3:])
 
 
+def _section(lines: list[str], name: str) -> dict[int, str]:
+    """The numbered lines under a section header of the HLO text ("1 {...}" up to the first other line)."""
+    out, start = {}, lines.index(name) + 1
+    for line in lines[start:]:
+        m = re.match(r"(\d+) (.*)", line)
+        if not m:
+            break
+        out[int(m.group(1))] = m.group(2)
+    return out
+
+
+def source_frames(hlo: str, skip_files: tuple[str, ...] = ()) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Per HLO instruction of a compiled module's text: its source frames, innermost first ("function:line";
+    [] without metadata; frames in files named in `skip_files` left out), and its op_name ("" without)."""
+    lines = hlo.split("\n")
+    if "StackFrames" not in lines:
+        return {}, {}
+    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in _section(lines, "FileNames").items()}
+    funcs = {k: v.strip('"') for k, v in _section(lines, "FunctionNames").items()}
+    locs = {}
+    for k, v in _section(lines, "FileLocations").items():
+        m = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", v)
+        locs[k] = (files[int(m.group(1))], f"{funcs[int(m.group(2))]}:{m.group(3)}")
+    parents = {}
+    for k, v in _section(lines, "StackFrames").items():
+        m = re.search(r"file_location_id=(\d+) parent_frame_id=(\d+)", v)
+        parents[k] = (int(m.group(1)), int(m.group(2)))
+
+    def chain(frame: int) -> list[str]:
+        out = []
+        while frame in parents:
+            loc, parent = parents[frame]
+            if locs[loc][0] not in skip_files:
+                out.append(locs[loc][1])
+            if parent == frame:
+                break
+            frame = parent
+        return out
+
+    frames, ops = {}, {}
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        if m:
+            # other fields (scheduling_name, deduplicated_name: GPU compiles) may sit between the two
+            meta = re.search(r"metadata=\{([^}]*)\}", line)
+            op = re.search(r'op_name="([^"]*)"', meta.group(1)) if meta else None
+            frame = re.search(r"stack_frame_id=(\d+)", meta.group(1)) if op else None
+            frames[m.group(1)] = chain(int(frame.group(1))) if frame else []
+            ops[m.group(1)] = op.group(1) if op else ""
+    return frames, ops
+
+
 def estimate(hlo_text: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0,
-             count_trips: bool = True, f32_dot_peak: float | None = None) -> dict:
+             count_trips: bool = True, f32_dot_peak: float | None = None, by_source: bool = False) -> dict:
     """The roofline estimate of one run of the compiled program `hlo_text` (its `as_text()`) on a device of
     `peak_flops` FLOP/s and `bandwidth` bytes/s, `launch_s` seconds per kernel: seconds, FLOPs, bytes,
     kernels, the time of compute-bound and memory-bound kernels, per part of a train step and per label
     (kernel name, or op kind and the jax op it came from) [seconds, FLOPs, bytes, count], largest first.
     `count_trips` False: every loop body once, as XLA's own cost analysis counts (to compare with it).
     `f32_dot_peak`: the rate of dots with fp32 operands, if not `peak_flops` (a GPU's TF32 rate beside its bf16
-    peak: `GPU_F32_DOT_FRACTION`); Pallas kernels are taken at `peak_flops`."""
+    peak: `GPU_F32_DOT_FRACTION`); Pallas kernels are taken at `peak_flops`. `by_source`: label the other
+    kernels by the innermost Python source line that emitted them (`source_frames`), not by jax op."""
     comps, entry = parse(hlo_text)
-    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips, f32_dot_peak).computation(entry)
+    frames = source_frames(hlo_text)[0] if by_source else None
+    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips, f32_dot_peak, frames).computation(entry)
     top = sorted(cost.items.items(), key=lambda kv: -kv[1][0])
     phases: dict[str, list[float]] = {}
     for label, row in top:

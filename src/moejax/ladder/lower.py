@@ -60,14 +60,16 @@ def abstract_train_inputs(cfg, mesh, phase=None):
 
 
 def lower_train_step(cfg, remat: bool | None = None, platform: str = "cuda", mesh=None, phase=None,
-                     device_kind: str = "NVIDIA H200", cores: int = 132, compile: bool = False) -> dict:
+                     device_kind: str = "NVIDIA H200", cores: int = 132, compile: bool = False,
+                     top: int = 10, by_source: bool = False) -> dict:
     """Lower cfg's train step on an AbstractMesh of cfg.parallel's shape (or on `mesh`, a concrete Mesh
     of this process's devices, lowered for them); returns timing and counts. `phase` (a ContextPhase of
     cfg.phases): that phase's batch layout, context-parallel degree and capacity factors. `device_kind`,
     `cores`: the GPU the abstract mesh stands for (the kernels' Triton target). `compile`: lower on a
     deviceless CUDA topology of that GPU instead and compile with XLA's GPU compiler (`moejax.cuda_aot`; run
     in its subprocess environment), adding XLA's memory and cost analysis. `remat` None: as cfg.train.remat;
-    the layers are scanned or unrolled as cfg.train.scan_layers says."""
+    the layers are scanned or unrolled as cfg.train.scan_layers says. `top`, `by_source`: the roofline's
+    largest items listed, labelled by source line (`cuda_aot.compiled_numbers`)."""
     import contextlib
     import dataclasses
 
@@ -116,7 +118,8 @@ def lower_train_step(cfg, remat: bool | None = None, platform: str = "cuda", mes
         from moejax.accounting import fwd_flops_per_token
 
         rows, seq = batch["tokens"].shape
-        compiled = {"compiled": compiled_numbers(lowered.compile(), device_kind), "compile_s": time.perf_counter() - t2,
+        compiled = {"compiled": compiled_numbers(lowered.compile(), device_kind, top, by_source),
+                    "compile_s": time.perf_counter() - t2,
                     "state_fp32_bytes": _per_device_bytes((state.params, state.opt_state)),
                     # the model FLOPs of one step per device (3 x forward; a context-parallel row is a chunk)
                     "model_flops_per_device": 3 * fwd_flops_per_token(cfg.model, seq * (1 if phase is None else
