@@ -2,7 +2,7 @@
 checks the same kernels through the Pallas interpreter on CPU; this checks what Triton compiled).
 
 - grouped GEMM: `grouped_swiglu` (the kernels' forward, dx and dw; gate and up as one matmul, the down
-  projection with the activation fused) vs an fp32 per-row SwiGLU, values and the
+  projection's dx with the activation's derivative) vs an fp32 per-row SwiGLU, values and the
   gradients of x and the three weights; unaligned groups with empty experts at E = 64 and 384, bf16 and fp32.
 - flash attention: the kernel vs the dense fp32 core, values and q/k/v gradients; local (window) and
   global (GQA on 1 KV head) layers, packed documents, bf16 and fp32; and keys extended in front (context
@@ -69,7 +69,7 @@ def check_grouped(n_exp: int, rows: int, width: int, dtype: str) -> dict:
           for s in [(n_exp, width, width), (n_exp, width, width), (n_exp, width, width)]]
     ct = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
     with chosen(GROUPED[0], "gpu_kernel"):  # traced inside: the kernels (fwd, dx, dw) of gate-and-up and of
-        # the down projection with the activation fused
+        # the down projection (its dx with the activation's derivative)
         got = value_and_grads(lambda x, *w: grouped_swiglu(x, expert_A, *w), (x, *ws), ct, kernels=2 * 3)
     ref = value_and_grads(lambda x, *w: swiglu_reference(x, expert_A, *w),
                           (x.astype(jnp.float32), *(w.astype(jnp.float32) for w in ws)), ct)

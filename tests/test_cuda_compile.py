@@ -17,7 +17,7 @@ from tests.helpers import subprocess_xla_flags
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": subprocess_xla_flags()}
 KERNELS = {"moejax_flash_fwd", "moejax_flash_dq", "moejax_flash_dkv", "moejax_grouped_fwd", "moejax_grouped_dx",
-           "moejax_grouped_dw", "moejax_grouped_fwd_act", "moejax_grouped_dx_act", "moejax_grouped_dw_act"}
+           "moejax_grouped_dw", "moejax_grouped_dx_act"}
 
 
 def _our_spills(ptxas: dict) -> dict:

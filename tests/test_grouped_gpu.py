@@ -14,7 +14,7 @@ from moejax.model import kernel_choice
 from moejax.model.kernel_choice import ATTENTION, GROUPED, chosen, kernel_impl
 from moejax.model.moe import grouped_gpu
 from moejax.model.layers import swiglu_act
-from moejax.model.moe.grouped import block_matmul, grouped_swiglu, make_layout, to_blocks
+from moejax.model.moe.grouped import _swiglu_down, block_matmul, grouped_swiglu, make_layout, to_blocks
 from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem, per_row_reference
 
 # bf16 against fp32, relative Frobenius norm: four bf16 unit roundoffs (2^-8 each), for the chain of
@@ -105,9 +105,10 @@ def test_kernels_equal_xla_block_path_with_several_tiles():
 
 
 def test_activation_kernels_equal_the_xla_composition_with_several_tiles():
-    """The down projection with SwiGLU's activation fused (forward, (d_gate, d_up) and dw) against the XLA
-    path's block_matmul(swiglu_act(g, u), w) and its VJP, fp32, tiles smaller than the widths, unused tail
-    blocks; and the grouped SwiGLU on the kernels runs three matmuls' kernels, not four."""
+    """SwiGLU's down projection on the kernels (`grouped._swiglu_down`: the XLA-made activation, the plain
+    forward and dw kernels, (d_gate, d_up) from dx's epilogue) against the XLA path's
+    block_matmul(swiglu_act(g, u), w) and its VJP, fp32, tiles smaller than the widths, unused tail blocks;
+    and the grouped SwiGLU on the kernels runs its two matmuls' kernels."""
     x, expert_A, (_, _, w_down), _ = _problem(5, UNALIGNED, Z=48, F=32)
     layout = make_layout(expert_A, len(UNALIGNED), 16)
     e, c = layout.expert_Bk, layout.blocks_E
@@ -117,20 +118,23 @@ def test_activation_kernels_equal_the_xla_composition_with_several_tiles():
     dy = to_blocks(jax.random.normal(keys[2], (x.shape[0], 48)), layout)
     y_ref, vjp = jax.vjp(lambda g, u, w: block_matmul(swiglu_act(g, u), w, e, c), g, u, w_down)  # XLA on CPU
     dg_ref, du_ref, dw_ref = vjp(dy)
-    run = lambda f, *a, **k: jax.jit(lambda *a: f(*a, tiles=SMALL, interpret=True, **k))(*a)
     close = functools.partial(np.testing.assert_allclose, rtol=RTOL_FP32, atol=ATOL_FP32)
-    close(run(grouped_gpu.matmul_act, gu, w_down, e, c), y_ref)
-    dgu = run(grouped_gpu.matmul_dx_act, dy, w_down, gu, e, c)
+    dgu = jax.jit(lambda *a: grouped_gpu.matmul_dx_act(*a, tiles=SMALL, interpret=True))(dy, w_down, gu, e, c)
     close(dgu[:, :, 0], dg_ref)
     close(dgu[:, :, 1], du_ref)
-    close(run(grouped_gpu.matmul_dw_act, gu, dy, c), dw_ref)
+    y, vjp = jax.vjp(lambda gu, w: _swiglu_down(gu, w, e, c, True), gu, w_down)  # default tiles: 16 of 48
+    dgu, dw = vjp(dy)
+    close(y, y_ref)
+    close(dgu, jnp.stack([dg_ref, du_ref], axis=2))
+    close(dw, dw_ref)
     with chosen(GROUPED[0], "gpu_kernel"):
         x, expert_A, ws, _ = _problem(0, UNALIGNED, Z=32, F=64)
         jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(grouped_swiglu(x, expert_A, w, *ws[1:])),
                                             argnums=(0, 1)))(x, ws[0]))
-    assert [jaxpr.count(f"name=moejax_grouped_{k}_act") for k in ("fwd", "dx", "dw")] == [1, 1, 1]
-    # gate and up as one matmul against both weights: one forward, one dx and one dw kernel for the pair
-    assert [jaxpr.count(f"name=moejax_grouped_{k}\n") for k in ("fwd", "dx", "dw")] == [1, 1, 1]
+    assert jaxpr.count("name=moejax_grouped_dx_act") == 1  # the down projection's dx
+    # the forward and dw kernels: one each for gate and up (as one matmul against both weights), one each for
+    # the down projection
+    assert [jaxpr.count(f"name=moejax_grouped_{k}\n") for k in ("fwd", "dx", "dw")] == [2, 1, 2]
 
 
 def test_shapes_the_kernels_dont_take_are_an_error(kernel):

@@ -220,8 +220,8 @@ def _kernel_cases():
             loss = lambda x, wg, wu, wd: grouped_swiglu(x, e, wg, wu, wd).astype(jnp.float32).sum()
             return jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
         w = sds((n_exp, width, width), dtype)
-        # gate and up as one matmul, the down projection with the activation fused: 2 forward kernels (the down
-        # projection's is dead: sum's gradient doesn't read it), 2 dx, 2 dw
+        # gate and up as one matmul, then the down projection (its dx with the activation's derivative): 2
+        # forward kernels (the down projection's is dead: sum's gradient doesn't read it), 2 dx, 2 dw
         return f, (sds((rows, width), dtype), sds((rows,), jnp.int32), w, w, w), 5
 
     def newton_schulz_stack(shape):

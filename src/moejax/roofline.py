@@ -145,11 +145,11 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     """FLOPs of one of moejax's Pallas kernels from its operands, or None for a kernel it doesn't know."""
     ops = [arrays(t)[0][1] if arrays(t) else () for t in operand_types]
     res = arrays(result_type)
-    if kernel in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_fwd_act", "moejax_grouped_dx_act"):
-        # (expert, used, x [Bk,b,K] (fwd_act: gate and up [Bk,b,2,K]), w, ...), out [Bk,b,N] (dx_act: [Bk,b,2,N])
+    if kernel in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_dx_act"):
+        # (expert, used, x [Bk,b,K], w, ...), out [Bk,b,N] (dx_act: [Bk,b,2,N])
         n_blocks, b, k = ops[2][0], ops[2][1], ops[2][-1]
         return 2.0 * n_blocks * b * k * res[0][1][-1]
-    if kernel in ("moejax_grouped_dw", "moejax_grouped_dw_act"):  # (first, count, x [Bk,b,Z] (or [Bk,b,2,Z]), dy)
+    if kernel == "moejax_grouped_dw":  # (first, count, x [Bk,b,Z], dy)
         n_blocks, b, z = ops[2][0], ops[2][1], ops[2][-1]
         return 2.0 * n_blocks * b * z * ops[-1][-1]
     if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])

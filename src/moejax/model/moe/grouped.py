@@ -31,8 +31,7 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
 On GPUs the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
 `grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary). There the
 expert MLP is two matmuls: gate and up as one, against their weights side by side, then the down projection
-with the SwiGLU activation inside its kernels (`_swiglu_down`: never stored, its derivative in dx's
-epilogue). MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks
+of the SwiGLU activation, with the activation's derivative in its dx kernel's epilogue (`_swiglu_down`). MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks
 are at least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
 """
 
@@ -205,7 +204,7 @@ block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
 def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZF: Float[Array, "E Z F"],
                   w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"]) -> Float[Array, "Bk b Z"]:
     """SwiGLU per block with its expert's weights: W2 (silu(x Wg) * (x Wu)). Zero rows stay zero. On the
-    GPU kernels the activation lives inside the down projection's kernels (`_swiglu_down`)."""
+    GPU kernels the activation's derivative lives inside the down projection's dx kernel (`_swiglu_down`)."""
     mm = lambda x, w: block_matmul(x, w, layout.expert_Bk, layout.blocks_E)
     kernel = _kernel(x_BkbZ.shape[1], w_gate_EZF)  # the down projection has the same two widths
     if kernel is None:
@@ -217,13 +216,19 @@ def swiglu_blocks(x_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout, w_gate_EZ
     return _swiglu_down(gu_Bkb2F, w_down_EFZ, layout.expert_Bk, layout.blocks_E, kernel["interpret"])
 
 
+def _activation(gu_Bkb2F: Float[Array, "Bk b 2 F"]) -> Float[Array, "Bk b F"]:
+    """silu(gate) * up from gu's halves, in fp32, rounded once to gu's dtype (one XLA elementwise pass)."""
+    g, u = gu_Bkb2F[:, :, 0].astype(jnp.float32), gu_Bkb2F[:, :, 1].astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * u).astype(gu_Bkb2F.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _swiglu_down(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret: bool):
-    """block_matmul(swiglu_act(g, u), w), (g, u) the halves of gu, on the kernels, the activation never
-    stored: made in the forward's and the weight gradient's prologue, its derivative in dx's epilogue
-    (`grouped_gpu.matmul_*_act`). The composition's values up to where bf16 rounds: the activation once
-    from fp32, dh not at all."""
-    return grouped_gpu.matmul_act(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret=interpret)
+    """block_matmul(swiglu_act(g, u), w), (g, u) the halves of gu, on the kernels: the activation made by XLA
+    for the plain forward and weight-gradient kernels (remade for the latter, not kept: a residual of
+    [Bk, b, F] a layer saved), its derivative in dx's epilogue (`grouped_gpu.matmul_dx_act`), so dh is never
+    stored. The composition's values up to where bf16 rounds: the activation once from fp32, dh not at all."""
+    return grouped_gpu.matmul(_activation(gu_Bkb2F), w_EFZ, expert_Bk, blocks_E, interpret=interpret)
 
 
 def _swiglu_down_fwd(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret):
@@ -233,7 +238,8 @@ def _swiglu_down_fwd(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret):
 def _swiglu_down_bwd(interpret, res, dy_BkbZ):
     gu_Bkb2F, w_EFZ, expert_Bk, blocks_E = res
     dgu_Bkb2F = grouped_gpu.matmul_dx_act(dy_BkbZ, w_EFZ, gu_Bkb2F, expert_Bk, blocks_E, interpret=interpret)
-    dw_EFZ = grouped_gpu.matmul_dw_act(gu_Bkb2F, dy_BkbZ, blocks_E, interpret=interpret, out_dtype=w_EFZ.dtype)
+    dw_EFZ = grouped_gpu.matmul_dw(_activation(gu_Bkb2F), dy_BkbZ, blocks_E, interpret=interpret,
+                                   out_dtype=w_EFZ.dtype)
     return dgu_Bkb2F, dw_EFZ, None, None
 
 

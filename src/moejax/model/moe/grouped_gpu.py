@@ -15,10 +15,11 @@ Three kernels, one per matmul of a block GEMM's forward and backward (and a four
   times and write zeros.
 - `_wgrad_kernel`, grid (Z / tz, F / tf, E): dw[e] = sum over e's blocks of x[n]^T dy[n], accumulated in
   fp32, written in fp32 or the weights' dtype; an expert with no rows writes zeros.
-SwiGLU's down projection (`matmul_*_act`, for `grouped.swiglu_blocks`) takes gate and up as one [Bk, b, 2, F]
-array: the first two kernels with `act` make silu(gate) * up tile by tile where they read x, and
-`_dx_act_kernel` ends dx with the activation's derivative, writing [d_gate, d_up]; the activation is never
-stored.
+SwiGLU's down projection (`grouped.swiglu_blocks`) has a fourth: `_dx_act_kernel` ends dx with the
+activation's derivative, reading gate and up as one [Bk, b, 2, F] array and writing [d_gate, d_up], so dh is
+never stored. (The activation itself is not made inside the forward or weight-gradient kernels: made there
+tile by tile, on an H200 those kernels ran at 119 and 109 TFLOP/s against the plain forward's 422 —
+docs/LOG.md 2026-12-04 — every output-column tile recomputing it on the CUDA cores beside the MMAs.)
 The block (expert) axis is the grid's last: Triton runs axis 0 fastest, so one block's (expert's) tiles
 run back to back and share its rows in L2 instead of refetching them per tile.
 Contract (what `grouped.to_blocks` and its backward give): padding rows and the tail blocks hold zeros, so
@@ -99,45 +100,35 @@ def _check(block: int, z: int, f: int, a_dtype, b_dtype, tiles: GemmTiles) -> No
 
 
 
-def _silu_times(g, u):
-    """silu(g) * u in fp32 (the SwiGLU activation of `layers.swiglu_act`), from one tile of each."""
-    g32 = g.astype(jnp.float32)
-    return g32 / (1.0 + jnp.exp(-g32)) * u.astype(jnp.float32)
-
-
 def _block_tile(expert_ref, tn: int):
     """A rows kernel's program (grid (out_cols / tn, Bk)): its block n, the block's expert and its columns."""
     j, n = pl.program_id(0), pl.program_id(1)
     return n, expert_ref[n], pl.ds(j * tn, tn)
 
 
-def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w: bool, act: bool = False):
-    """o = x @ w[e] (w [E, K, N]) or x @ w[e]^T (trans_w: w [E, N, K]) for one block's [b, tn] output tile.
-    `act`: x_ref holds gate and up as [b, 2, K] and x = silu(gate) * up, made chunk by chunk, never stored."""
+def _rows_kernel(expert_ref, used_ref, x_ref, w_ref, o_ref, *, tk: int, trans_w: bool):
+    """o = x @ w[e] (w [E, K, N]) or x @ w[e]^T (trans_w: w [E, N, K]) for one block's [b, tn] output tile."""
     n, e, cols = _block_tile(expert_ref, o_ref.shape[-1])
 
     def body(c, acc):
         ks = pl.ds(c * tk, tk)
         w = w_ref[e, cols, ks] if trans_w else w_ref[e, ks, cols]
-        x = _silu_times(x_ref[:, 0, ks], x_ref[:, 1, ks]).astype(w_ref.dtype) if act else x_ref[:, ks]
-        return acc + dot(x, w, trans_b=trans_w)
+        return acc + dot(x_ref[:, ks], w, trans_b=trans_w)
 
     n_chunks = x_ref.shape[-1] // tk
     acc = lax.fori_loop(0, n_chunks * used_ref[n], body, jnp.zeros(o_ref.shape, jnp.float32))
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref, *, act: bool = False):
-    """dw[e] tile = sum of x[n]^T dy[n] over expert e's blocks n (contiguous: the layout sorts them). `act`:
-    x_ref holds gate and up as [Bk, b, 2, Z], and x = silu(gate) * up is remade from them."""
+def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref):
+    """dw[e] tile = sum of x[n]^T dy[n] over expert e's blocks n (contiguous: the layout sorts them)."""
     zi, fi, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     tz, tf = dw_ref.shape
     zs, fs = pl.ds(zi * tz, tz), pl.ds(fi * tf, tf)
     lo = first_ref[e]
 
     def body(n, acc):
-        x = _silu_times(x_ref[n, :, 0, zs], x_ref[n, :, 1, zs]).astype(dy_ref.dtype) if act else x_ref[n, :, zs]
-        return acc + dot(x, dy_ref[n, :, fs], trans_a=True)
+        return acc + dot(x_ref[n, :, zs], dy_ref[n, :, fs], trans_a=True)
 
     dw_ref[...] = lax.fori_loop(lo, lo + count_ref[e], body, jnp.zeros((tz, tf), jnp.float32)).astype(dw_ref.dtype)
 
@@ -169,21 +160,19 @@ def _whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool,
-               act: bool = False):
-    """`_rows_kernel` over every (column tile, block); `act`: x is gate and up as [Bk, b, 2, K]."""
-    n_blocks, b, k = x_BkbK.shape[0], x_BkbK.shape[1], x_BkbK.shape[-1]
+def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool):
+    """`_rows_kernel` over every (column tile, block)."""
+    n_blocks, b, k = x_BkbK.shape
     tn, tk = tile(tiles.tn, out_cols), tile(tiles.tk, k)
-    rows = pl.BlockSpec((None, b, 2, k), lambda j, n: (n, 0, 0, 0)) if act else \
-        pl.BlockSpec((None, b, k), lambda j, n: (n, 0, 0))
+    rows = pl.BlockSpec((None, b, k), lambda j, n: (n, 0, 0))
     return pl.pallas_call(
-        functools.partial(_rows_kernel, tk=tk, trans_w=trans_w, act=act),
+        functools.partial(_rows_kernel, tk=tk, trans_w=trans_w),
         grid=(out_cols // tn, n_blocks),
         in_specs=[_whole(expert_Bk), _whole(used_Bk), rows, _whole(w)],
         out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
         out_shape=out_like(x_BkbK, (n_blocks, b, out_cols), jnp.result_type(x_BkbK, w)),
         compiler_params=_launch(tiles), interpret=interpret,
-        name="moejax_grouped_fwd_act" if act else "moejax_grouped_dx" if trans_w else "moejax_grouped_fwd",
+        name="moejax_grouped_dx" if trans_w else "moejax_grouped_fwd",
     )(expert_Bk, used_Bk, x_BkbK, w)
 
 
@@ -232,24 +221,15 @@ def _wgrad_call(kernel, name: str, x, dy, blocks_E, z: int, f: int, tiles: GemmT
     )(first_E.astype(jnp.int32), blocks_E.astype(jnp.int32), x, dy)
 
 
-# --- the down projection of SwiGLU with the activation fused (`grouped.swiglu_blocks` on the kernels) ---------
+# --- the down projection's dx with SwiGLU's derivative fused (`grouped.swiglu_blocks` on the kernels) ---------
 # Gate and up come as one [Bk, b, 2, F] array, the output of one matmul against the experts' gate and up
 # weights side by side ([E, Z, 2F]): x is read once, and dx is one matmul against both.
-
-def matmul_act(gu_Bkb2F: Float[Array, "Bk b 2 F"], w_EFZ: Float[Array, "E F Z"], expert_Bk: Int[Array, "Bk"],
-               blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(), interpret: bool = False) -> Float[Array, "Bk b Z"]:
-    """y[n] = (silu(g[n]) * u[n]) @ w[expert_Bk[n]], (g, u) = gu[:, :, 0], gu[:, :, 1]: `matmul` of the SwiGLU
-    activation, which is made in the kernel from the gate and up tiles and never written."""
-    _check(gu_Bkb2F.shape[1], gu_Bkb2F.shape[3], w_EFZ.shape[2], gu_Bkb2F.dtype, w_EFZ.dtype, tiles)
-    return _rows_call(gu_Bkb2F, w_EFZ, expert_Bk, _used_blocks(expert_Bk, blocks_E), w_EFZ.shape[2], False, tiles,
-                      interpret, act=True)
-
 
 def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"], gu_Bkb2F: Float[Array, "Bk b 2 F"],
                   expert_Bk: Int[Array, "Bk"], blocks_E: Int[Array, "E"], tiles: GemmTiles = GemmTiles(),
                   interpret: bool = False) -> Float[Array, "Bk b 2 F"]:
-    """[d_gate, d_up] of `matmul_act`: dh = dy @ w^T in fp32 and the activation's derivative in one kernel,
-    no dh written."""
+    """[d_gate, d_up] of `matmul(silu(g) * u, w)`: dh = dy @ w^T in fp32 and the activation's derivative in
+    one kernel, no dh written."""
     n_blocks, b, _, f = gu_Bkb2F.shape
     z = w_EFZ.shape[2]
     _check(b, f, z, dy_BkbZ.dtype, w_EFZ.dtype, tiles)
@@ -264,12 +244,3 @@ def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"],
         compiler_params=_launch(tiles),
         interpret=interpret, name="moejax_grouped_dx_act",
     )(expert_Bk, used_Bk, dy_BkbZ, w_EFZ, gu_Bkb2F)
-
-
-def matmul_dw_act(gu_Bkb2F: Float[Array, "Bk b 2 F"], dy_BkbZ: Float[Array, "Bk b Z"], blocks_E: Int[Array, "E"],
-                  tiles: GemmTiles = GemmTiles(), interpret: bool = False, out_dtype=jnp.float32) -> Float[Array, "E F Z"]:
-    """dw[e] = sum over e's blocks of (silu(g) u)[n]^T dy[n], accumulated in fp32, written as `out_dtype`."""
-    f, z = gu_Bkb2F.shape[3], dy_BkbZ.shape[2]
-    _check(gu_Bkb2F.shape[1], f, z, gu_Bkb2F.dtype, dy_BkbZ.dtype, tiles)
-    return _wgrad_call(functools.partial(_wgrad_kernel, act=True), "moejax_grouped_dw_act", gu_Bkb2F, dy_BkbZ, blocks_E, f, z, tiles, interpret,
-                       out_dtype)
