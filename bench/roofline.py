@@ -8,7 +8,8 @@ CPU: compiles issue 11's CPU-shape step as `bench_train_step.py` builds it, meas
 matmul peak and in-place memory bandwidth, prints the estimate, then times the real step beside it, so the
 estimate is checked against a measurement where one can be made.
 
-Usage: python bench/roofline.py --gpu G [--no-remat] [--unrolled] [--optimizer hero|adam] [--by-source] [--top 15]
+Usage: python bench/roofline.py --gpu G [--no-remat] [--unrolled] [--optimizer hero|adam] [--path local|capacity]
+                                [--by-source] [--top 15]
        python bench/roofline.py --gpu d1024
        python bench/roofline.py --cpu-shape [--optimizer adam] [--steps 6]
 """
@@ -26,17 +27,19 @@ import numpy as np
 from moejax import roofline
 
 
-def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = True, by_source: bool = False) -> None:
+def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = True, by_source: bool = False,
+        path: str = "local") -> None:
     from bench_gpu import rung_d1024, shape_g
 
     from moejax.ladder.lower import lower_train_step
 
     cfg = {"G": shape_g, "d1024": rung_d1024}[shape]()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=optimizer, remat=remat,
-                                                             scan_layers=scan_layers))
+                                                             scan_layers=scan_layers),
+                              parallel=dataclasses.replace(cfg.parallel, moe_backend="ep" if path == "capacity" else "local"))
     r = lower_train_step(cfg, compile=True, top=top, by_source=by_source)
     c = r["compiled"]
-    print(f"{shape} on one NVIDIA H200: batch {r['batch'][0]} x {r['batch'][1]}, remat "
+    print(f"{shape} on one NVIDIA H200, {path} path: batch {r['batch'][0]} x {r['batch'][1]}, remat "
           f"{remat}, layers {'scanned' if scan_layers else 'unrolled'}, optimizer {optimizer}; compiled in {r['compile_s']:.0f} s, XLA's peak "
           f"{c['peak_bytes'] / 1e9:.2f} GB")
     print(roofline.format_estimate(c["roofline"], r["model_flops_per_device"], top=top))
@@ -82,6 +85,9 @@ def main() -> None:
     ap.add_argument("--unrolled", dest="scan_layers", action="store_false",
                     help="GPU: the layers unrolled (train.scan_layers=false) instead of scanned")
     ap.add_argument("--optimizer", choices=("hero", "adam"), default="hero")
+    ap.add_argument("--path", choices=("local", "capacity"), default="local",
+                    help="GPU: the dropless local path, or the pooled-wave capacity path (the hero's transport, "
+                         "parallel.moe_backend=ep on the 1-device mesh, as bench_gpu.py's capacity path)")
     ap.add_argument("--steps", type=int, default=6, help="CPU: timed steps (after one warm-up)")
     ap.add_argument("--top", type=int, default=15, help="largest items listed")
     ap.add_argument("--by-source", action="store_true",
@@ -94,7 +100,7 @@ def main() -> None:
 
         env = {**subprocess_env(), "MOEJAX_ROOFLINE_CHILD": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
-    gpu(args.gpu, args.remat, args.optimizer, args.top, args.scan_layers, args.by_source)
+    gpu(args.gpu, args.remat, args.optimizer, args.top, args.scan_layers, args.by_source, args.path)
 
 
 if __name__ == "__main__":
