@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import gzip
 import json
+import re
 import sys
 import tempfile
 import time
@@ -100,6 +101,16 @@ def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
             "positions": pos[:, :-1], "loss_mask": seg[:, 1:] == seg[:, :-1]}
 
 
+def kernel_source(kernel: str, hlo: str, depth: int = 2) -> str:
+    """The Python source lines (innermost first) of the compiled instruction a device kernel is named after:
+    XLA names a fusion's kernel after the instruction, with '.' and '-' as '_' (e.g. `%loop_add_fusion.3`
+    runs as loop_add_fusion_3; CPU traces keep the name); "" for kernels of other origins (cuBLAS, Pallas
+    kernels: named already)."""
+    frames, _ = roofline.source_frames(hlo)
+    by_kernel = {re.sub(r"[.\-]", "_", name): f for name, f in frames.items()}
+    return " < ".join((frames.get(kernel) or by_kernel.get(kernel, []))[:depth])  # CPU traces: names as is
+
+
 def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:
     """(name, total ms, count) of the longest events on device lanes of the perfetto trace (host lanes if
     the backend records none)."""
@@ -138,9 +149,9 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
     compile_s = time.perf_counter() - t0
     # the same executable (jax's cache): its speed of light at this device's measured peak and bandwidth
     on_gpu = jax.default_backend() != "cpu"
-    roof = roofline.estimate(step.lower(state, batches[0]).compile().as_text(), peak, bandwidth,
-                             roofline.GPU_LAUNCH_S if on_gpu else 0.0,
-                             f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION if on_gpu else None)
+    hlo = step.lower(state, batches[0]).compile().as_text()
+    roof = roofline.estimate(hlo, peak, bandwidth, roofline.GPU_LAUNCH_S if on_gpu else 0.0,
+                             f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION if on_gpu else None, by_source=True)
     times = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -152,7 +163,7 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 for i in range(2):
                     state, metrics = jax.block_until_ready(step(state, batches[i % 2]))
-            kernels = top_kernels(Path(d))
+            kernels = [(name, ms, n, kernel_source(name, hlo)) for name, ms, n in top_kernels(Path(d))]
     med = float(np.median(times))
     tokens = cfg.train.tokens_per_step
     flops = 3.0 * accounting.fwd_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
@@ -213,8 +224,9 @@ def main() -> int:
                   f"compile {r['compile_s']:.0f} s, loss {r['loss']:.3f}, drop {r['drop']:.4f}", flush=True)
             print(f"    measured / roofline {r['step_ms'] / r['roofline_ms']:.2f}x; " + r["roofline"].replace("\n", "\n    "),
                   flush=True)
-            for name, ms, n in r["kernels"]:
-                print(f"    {ms / 2:9.2f} ms/step  x{n // 2:<4d} {name[:110]}", flush=True)
+            for name, ms, n, where in r["kernels"]:
+                print(f"    {ms / 2:9.2f} ms/step  x{n // 2:<4d} {name[:90]}" + (f"  [{where}]" if where else ""),
+                      flush=True)
     print("\n| shape | path | step (ms) | tokens/s | TFLOP/s | MFU | peak mem (GB) | roofline (ms) | MFU at roofline |"
           "\n|---|---|---|---|---|---|---|---|---|")
     for r in results:

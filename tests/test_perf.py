@@ -32,3 +32,16 @@ def test_profile_attribution_names_the_source_line():
     line = _costly_line.__code__.co_firstlineno + 1
     dots = [n for n, op in ops.items() if op.endswith("dot_general")]
     assert dots and all(frames[n][0] == f"_costly_line:{line}" for n in dots)
+
+
+def test_gpu_bench_names_a_kernels_source_line():
+    """bench/bench_gpu.py's kernel list: a device kernel named after its fusion ('.' and '-' as '_', as XLA:GPU
+    names them; CPU traces keep the name) maps to the Python line that emitted the instruction."""
+    bench_gpu = bench_module("bench_gpu")
+    x = jnp.ones((8, 16), jnp.float32)
+    hlo = jax.jit(_costly_line).lower(x, x.T).compile().as_text()
+    line = f"_costly_line:{_costly_line.__code__.co_firstlineno + 1}"
+    name = next(n for n, op in bench_gpu.roofline.source_frames(hlo)[1].items() if op.endswith("dot_general"))
+    assert bench_gpu.kernel_source(name, hlo).startswith(line)
+    assert bench_gpu.kernel_source(name.replace(".", "_").replace("-", "_"), hlo).startswith(line)
+    assert bench_gpu.kernel_source("sm90_xmma_gemm_bf16", hlo) == ""
