@@ -10,8 +10,8 @@ issue 11's shape G: batch 8 x 4096, 8 query heads of 128, GQA on 2 KV heads (loc
 FLOPs are the useful ones: 4 * B * H * Hd * (pairs a causal / windowed mask keeps) forward, x 2.5 for
 fwd+bwd (the backward's 5 matmuls against the forward's 2), document masking not credited: the flash
 kernel skips blocks of other documents (`flash_gpu.document_bounds`; at mean 1024 it takes 0.39 / 0.50 of
-the global / local layers' blocks), so its figure is a causal-equivalent rate, and cuDNN, without
-documents, does all of the causal work. `--mean-doc 100000` gives one document a row. Times are the
+the global / local layers' blocks), so its figure is a causal-equivalent rate (the row "no document
+skipping" times the same kernel without it), and cuDNN, without documents, does all of the causal work. `--mean-doc 100000` gives one document a row. Times are the
 median of --reps after one warm-up call, paths taking turns rep by rep. A path that fails prints its error.
 
 Usage (GPU): PYTHONPATH=src python bench/bench_flash.py [--blocks 128x64,128x64 128x64,64x64:2:2:4 ...]
@@ -21,6 +21,7 @@ CPU check of the script (tiny shapes, the kernel interpreted): PYTHONPATH=src py
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +69,10 @@ def cases(a, window: int | None, kv_heads: int, interpret: bool):
     head_map = np.arange(a.heads) // (a.heads // kv_heads)
     args = (q, k, v, ct)
     out = []
-    for text in a.blocks:
-        blocks = parse_blocks(text)
+    variants = [(text, parse_blocks(text)) for text in a.blocks]
+    variants.insert(1, (f"{a.blocks[0]}, no document skipping",
+                        dataclasses.replace(variants[0][1], skip_documents=False)))
+    for text, blocks in variants:
         core = lambda q, k, v, blocks=blocks: flash_attention(q, k, v, seg, scale, window, blocks, interpret)
         out.append((f"flash {text}", fwd_bwd(core), args))
     xla = lambda q, k, v: attend_xla(q, k[:, :, head_map], v[:, :, head_map], seg, window, scale, a.q_block)

@@ -6,7 +6,8 @@
 #   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references;
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target), tile /
 #            pipeline-stage / warp sweep;
-#   flash    bench_flash.py: the attention core, flash kernel block sizes vs the XLA path (and cuDNN);
+#   flash    bench_flash.py: the attention core, flash kernel block sizes (and the default without document
+#            skipping) vs the XLA path (and cuDNN);
 #   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (51 GB);
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile;
 #   ab       bench_gpu.py --paths local,local-xla on G: the grouped-GEMM kernel vs the XLA einsums in the step.

@@ -257,7 +257,8 @@ def test_flash_block_ranges_skip_other_documents(off):
 
 def test_flash_kernel_on_many_short_documents_equals_dense():
     """Documents of 1-6 keys across blocks of 8 and 4: most key blocks skipped; values and gradients still
-    the dense core's, global and local, with earlier keys (-1 then a continued document) in front."""
+    the dense core's, global and local, with earlier keys (-1 then a continued document) in front, and
+    with the document skipping off."""
     off, blocks = 8, FlashBlocks(q=8, k=4, q_bwd=4, k_bwd=8)
     rng = np.random.default_rng(7)
     seg_k = np.stack([np.repeat(np.arange(1, 41), rng.integers(1, 7, size=40))[:off + S] for _ in range(B)])
@@ -268,8 +269,9 @@ def test_flash_kernel_on_many_short_documents_equals_dense():
     for window in (None, 5):
         mask = attn.block_mask(seg_q, seg_k, off + jnp.arange(S), jnp.arange(off + S), window)
         want = _vjp_all(_per_head(lambda q, k, v: attn._softmax_av(q, k, v, mask, SCALE), 4), q, k, v)
-        got = _vjp_all(lambda q, k, v: flash_attention(q, k, v, seg_k, SCALE, window, blocks, True), q, k, v)
-        _assert_same(got, want)
+        for b in (blocks, replace(blocks, skip_documents=False)):  # the skipping changes no value
+            got = _vjp_all(lambda q, k, v: flash_attention(q, k, v, seg_k, SCALE, window, b, True), q, k, v)
+            _assert_same(got, want)
 
 
 @pytest.mark.parametrize("off,window", [(4, None), (12, 6), (12, 15), (28, None)])

@@ -66,6 +66,9 @@ class FlashBlocks:
     num_stages: int = 3  # forward
     num_stages_bwd: int = 1
     num_warps_bwd: int = 8
+    # False: the loops skip only future, out-of-window and pre-sequence (-1) keys, not other documents (to time
+    # what `document_bounds` saves; the values are the same either way)
+    skip_documents: bool = True
 
     @classmethod
     def for_dtype(cls, dtype) -> "FlashBlocks":
@@ -261,12 +264,18 @@ def _whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,))  # per-row (per-block) scalars, indexed in the kernel
 
 
+def _bounds_ids(segment_ids, blocks: FlashBlocks):
+    """The ids `document_bounds` reads: the segment ids, or with `skip_documents` off every real key as one
+    document (only the -1 keys before a sequence stay apart)."""
+    return segment_ids if blocks.skip_documents else jnp.where(segment_ids >= 0, 0, -1)
+
+
 def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     bsz, s, h, hd = q.shape
     sk = k.shape[1]
     bq, bk = min(blocks.q, s), min(blocks.k, sk)
     q_spec, kv_spec, seg_spec, row_spec = _query_specs(q, k, bq)
-    first_k, _, _ = document_bounds(segment_ids, s, bq, bk)
+    first_k, _, _ = document_bounds(_bounds_ids(segment_ids, blocks), s, bq, bk)
     kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s, n_q=s // bq)
     return pl.pallas_call(
         kernel, grid=(s // bq, bsz, h), in_specs=[_whole(first_k), q_spec, kv_spec, kv_spec, seg_spec],
@@ -282,7 +291,7 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     sk, g = k.shape[1], k.shape[2]
     bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, sk)
     delta = jnp.einsum("bshd,bshd->bhs", o, do.astype(jnp.float32))  # rowsum(o * dO), [B, H, S]
-    first_k, first_q, end_q = document_bounds(segment_ids, s, bq, bk)
+    first_k, first_q, end_q = document_bounds(_bounds_ids(segment_ids, blocks), s, bq, bk)
     ins = (q, k, v, segment_ids, do, lse, delta)
     q_spec, kv_spec, seg_spec, row_spec = _query_specs(q, k, bq)
     dq = pl.pallas_call(
