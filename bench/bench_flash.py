@@ -11,8 +11,9 @@ FLOPs are the useful ones: 4 * B * H * Hd * (pairs a causal / windowed mask keep
 fwd+bwd (the backward's 5 matmuls against the forward's 2), document masking not credited: the flash
 kernel skips blocks of other documents (`flash_gpu.document_bounds`; at mean 1024 it takes 0.39 / 0.50 of
 the global / local layers' blocks), so its figure is a causal-equivalent rate (the row "no document
-skipping" times the same kernel without it), and cuDNN, without documents, does all of the causal work. `--mean-doc 100000` gives one document a row. Times are the
-median of --reps after one warm-up call, paths taking turns rep by rep. A path that fails prints its error.
+skipping" times the same kernel without it), and cuDNN, without documents, does all of the causal work.
+`--mean-doc 100000` gives one document a row. Times are the median of --reps after one warm-up call, paths
+taking turns rep by rep. A path that fails prints its error.
 
 Usage (GPU): PYTHONPATH=src python bench/bench_flash.py [--blocks 128x64,128x64 128x64,64x64:2:2:4 ...]
 CPU check of the script (tiny shapes, the kernel interpreted): PYTHONPATH=src python bench/bench_flash.py --smoke

@@ -36,7 +36,8 @@ def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = T
     cfg = {"G": shape_g, "d1024": rung_d1024}[shape]()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=optimizer, remat=remat,
                                                              scan_layers=scan_layers),
-                              parallel=dataclasses.replace(cfg.parallel, moe_backend="ep" if path == "capacity" else "local"))
+                              parallel=dataclasses.replace(cfg.parallel,
+                                                           moe_backend="ep" if path == "capacity" else "local"))
     r = lower_train_step(cfg, compile=True, top=top, by_source=by_source)
     c = r["compiled"]
     print(f"{shape} on one NVIDIA H200, {path} path: batch {r['batch'][0]} x {r['batch'][1]}, remat "

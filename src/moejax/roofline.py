@@ -18,8 +18,9 @@ What counts (`estimate`):
 - FLOPs: 2 x output elements x contracted size for every dot (also inside GEMM fusions, and XLA:GPU's
   cuBLAS calls, `LIBRARY_GEMMS`, whose dimension numbers are in their backend_config); Pallas kernels
   by name (`pallas_flops`: moejax's grouped GEMM exactly, flash attention at its causal half, which
-  overstates local layers and rows of several documents, whose blocks the kernel skips; names it doesn't know cost bytes only and are listed). Elementwise FLOPs are
-  ignored: on these machines they hide under the memory traffic of the same kernel.
+  overstates local layers and rows of several documents, whose blocks the kernel skips; names it doesn't
+  know cost bytes only and are listed). Elementwise FLOPs are ignored: on these machines they hide under
+  the memory traffic of the same kernel.
 What it cannot see: a kernel's real efficiency (tiles, occupancy: XLA's autotuner picks GPU GEMM tiles
 only on a device, and the Triton kernels are untuned), caches (every kernel reads HBM), and overlap.
 

@@ -57,8 +57,8 @@ class FlashBlocks:
     128 x 128 needs more shared memory than an SM has. Pipeline stages: on an H200 (docs/LOG.md 2026-12-04)
     3 forward and 2 backward were 5% faster than 2 and 1 on local and global bf16 layers, but 2 backward
     spill in dK/dV (ptxas: 16 B a thread then, 164 B with the document bounds); the forward takes 3, the
-    backward keeps 1 until a GPU run times the two apart (`bench/bench_flash.py`'s rows). fp32 tiles take twice the shared memory a stage, more
-    than an SM has at 3: `for_dtype` keeps 2 for them."""
+    backward keeps 1 until a GPU run times the two apart (`bench/bench_flash.py`'s rows). fp32 tiles take
+    twice the shared memory a stage, more than an SM has at 3: `for_dtype` keeps 2 for them."""
     q: int = 128
     k: int = 64
     q_bwd: int = 128

@@ -31,7 +31,8 @@ Backward, two custom_vjps, so that autodiff's choices don't become the cost:
 On GPUs the three block matmuls of `block_matmul` (forward, dx, dw) run as the Pallas kernels of
 `grouped_gpu` instead (same layout, same values; no weight gather, no [Bk, Z, F] temporary). There the
 expert MLP is two matmuls: gate and up as one, against their weights side by side, then the down projection
-of the SwiGLU activation, with the activation's derivative in its dx kernel's epilogue (`_swiglu_down`). MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks
+of the SwiGLU activation, with the activation's derivative in its dx kernel's epilogue (`_swiglu_down`).
+MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks
 are at least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
 """
 
