@@ -48,7 +48,7 @@ else
 fi
 part check 180 python bench/check_gpu_kernels.py "${check_args[@]}"
 part grouped 240 python bench/bench_grouped.py "${grouped_args[@]}"
-part flash 80 python bench/bench_flash.py "${flash_args[@]}"
+part flash 120 python bench/bench_flash.py "${flash_args[@]}"
 part fast 200 python bench/bench_gpu.py --shapes G --paths local,capacity --unrolled --no-remat --no-profile \
   --steps 4 --budget-s 120 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
