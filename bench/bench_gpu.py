@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import gzip
 import json
 import re
@@ -106,9 +107,15 @@ def kernel_source(kernel: str, hlo: str, depth: int = 2) -> str:
     XLA names a fusion's kernel after the instruction, with '.' and '-' as '_' (e.g. `%loop_add_fusion.3`
     runs as loop_add_fusion_3; CPU traces keep the name); "" for kernels of other origins (cuBLAS, Pallas
     kernels: named already)."""
-    frames, _ = roofline.source_frames(hlo)
-    by_kernel = {re.sub(r"[.\-]", "_", name): f for name, f in frames.items()}
+    frames, by_kernel = _kernel_frames(hlo)
     return " < ".join((frames.get(kernel) or by_kernel.get(kernel, []))[:depth])  # CPU traces: names as is
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Source frames by instruction name and by kernel name, read once per compiled step."""
+    frames, _ = roofline.source_frames(hlo)
+    return frames, {re.sub(r"[.\-]", "_", name): f for name, f in frames.items()}
 
 
 def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moejax.model.pallas_util import dot, out_like
+from moejax.model.pallas_util import dot, out_like, whole
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) is 0, never NaN
@@ -189,7 +189,8 @@ def _dkv_kernel(first_ref, end_ref, q_ref, k_ref, v_ref, seg_ref, do_ref, lse_re
     accumulator pair. The heads are a loop, not unrolled: unrolled, each head's loop kept its own
     accumulators and ptxas spilled up to 12 KB per thread (H200, GQA 8/1)."""
     j = pl.program_id(0)
-    first, end = first_ref[pl.program_id(1) * n_k + j], end_ref[pl.program_id(1) * n_k + j]
+    row_block = pl.program_id(1) * n_k + j
+    first, end = first_ref[row_block], end_ref[row_block]
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
     seg_k = seg_ref[pl.ds(j * bk, bk)]
@@ -260,10 +261,6 @@ def _query_specs(q, k, rows_q: int):
     return q_spec, kv_spec, seg_spec, row_spec
 
 
-def _whole(a) -> pl.BlockSpec:
-    return pl.BlockSpec(a.shape, lambda *_: (0,))  # per-row (per-block) scalars, indexed in the kernel
-
-
 def _bounds_ids(segment_ids, blocks: FlashBlocks):
     """The ids `document_bounds` reads: the segment ids, or with `skip_documents` off every real key as one
     document (only the -1 keys before a sequence stay apart)."""
@@ -278,7 +275,7 @@ def _forward(q, k, v, segment_ids, scale, window, blocks, interpret):
     first_k, _, _ = document_bounds(_bounds_ids(segment_ids, blocks), s, bq, bk)
     kernel = functools.partial(_fwd_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s, n_q=s // bq)
     return pl.pallas_call(
-        kernel, grid=(s // bq, bsz, h), in_specs=[_whole(first_k), q_spec, kv_spec, kv_spec, seg_spec],
+        kernel, grid=(s // bq, bsz, h), in_specs=[whole(first_k), q_spec, kv_spec, kv_spec, seg_spec],
         out_specs=[q_spec, row_spec],
         out_shape=[out_like(q, q.shape, jnp.float32), out_like(q, (bsz, h, s), jnp.float32)],
         compiler_params=_compiler_params(8 if hd > 64 else 4, blocks.num_stages),  # upstream's heuristic
@@ -297,7 +294,7 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s, n_q=s // bq),
         grid=(s // bq, bsz, h),
-        in_specs=[_whole(first_k), q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
+        in_specs=[whole(first_k), q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec, out_shape=out_like(q, q.shape, jnp.float32),
         compiler_params=_compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd), interpret=interpret,
         name="moejax_flash_dq",
@@ -312,7 +309,7 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
         functools.partial(_dkv_kernel, scale=scale, window=window, bq=bq, bk=bk, n_q=s // bq, n_k=sk // bk,
                           off=sk - s, rep=rep),
         grid=(sk // bk, bsz, g),
-        in_specs=[_whole(first_q), _whole(end_q), q_group, kv_block, kv_block, seg_spec, q_group, rows_group,
+        in_specs=[whole(first_q), whole(end_q), q_group, kv_block, kv_block, seg_spec, q_group, rows_group,
                   rows_group],
         out_specs=[kv_block, kv_block], out_shape=[out_like(q, k.shape, k.dtype), out_like(q, v.shape, v.dtype)],
         compiler_params=_compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd), interpret=interpret,

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from moejax.model.pallas_util import dot, out_like
+from moejax.model.pallas_util import dot, out_like, whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +155,6 @@ def _launch(tiles: GemmTiles):
     return plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def _whole(a) -> pl.BlockSpec:
-    """The whole array as one block: read in place, indexed inside the kernel."""
-    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-
-
 def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tiles: GemmTiles, interpret: bool):
     """`_rows_kernel` over every (column tile, block)."""
     n_blocks, b, k = x_BkbK.shape
@@ -168,7 +163,7 @@ def _rows_call(x_BkbK, w, expert_Bk, used_Bk, out_cols: int, trans_w: bool, tile
     return pl.pallas_call(
         functools.partial(_rows_kernel, tk=tk, trans_w=trans_w),
         grid=(out_cols // tn, n_blocks),
-        in_specs=[_whole(expert_Bk), _whole(used_Bk), rows, _whole(w)],
+        in_specs=[whole(expert_Bk), whole(used_Bk), rows, whole(w)],
         out_specs=pl.BlockSpec((None, b, tn), lambda j, n: (n, 0, j)),
         out_shape=out_like(x_BkbK, (n_blocks, b, out_cols), jnp.result_type(x_BkbK, w)),
         compiler_params=_launch(tiles), interpret=interpret,
@@ -214,7 +209,7 @@ def _wgrad_call(kernel, name: str, x, dy, blocks_E, z: int, f: int, tiles: GemmT
     first_E = jnp.cumsum(blocks_E) - blocks_E
     return pl.pallas_call(
         kernel, grid=(z // tz, f // tf, n_exp),
-        in_specs=[_whole(first_E), _whole(blocks_E), _whole(x), _whole(dy)],
+        in_specs=[whole(first_E), whole(blocks_E), whole(x), whole(dy)],
         out_specs=pl.BlockSpec((None, tz, tf), lambda zi, fi, e: (e, zi, fi)),
         out_shape=out_like(x, (n_exp, z, f), out_dtype), compiler_params=_launch(tiles), interpret=interpret,
         name=name,
@@ -237,8 +232,8 @@ def matmul_dx_act(dy_BkbZ: Float[Array, "Bk b Z"], w_EFZ: Float[Array, "E F Z"],
     used_Bk = _used_blocks(expert_Bk, blocks_E)
     return pl.pallas_call(
         functools.partial(_dx_act_kernel, tk=tk), grid=(f // tn, n_blocks),
-        in_specs=[_whole(expert_Bk), _whole(used_Bk), pl.BlockSpec((None, b, z), lambda j, n: (n, 0, 0)),
-                  _whole(w_EFZ), pl.BlockSpec((None, b, 2, f), lambda j, n: (n, 0, 0, 0))],
+        in_specs=[whole(expert_Bk), whole(used_Bk), pl.BlockSpec((None, b, z), lambda j, n: (n, 0, 0)),
+                  whole(w_EFZ), pl.BlockSpec((None, b, 2, f), lambda j, n: (n, 0, 0, 0))],
         out_specs=pl.BlockSpec((None, b, 2, tn), lambda j, n: (n, 0, 0, j)),
         out_shape=out_like(dy_BkbZ, gu_Bkb2F.shape, gu_Bkb2F.dtype),
         compiler_params=_launch(tiles),
