@@ -76,8 +76,9 @@ def cases(a, window: int | None, kv_heads: int, interpret: bool):
     for text, blocks in variants:
         core = lambda q, k, v, blocks=blocks: flash_attention(q, k, v, seg, scale, window, blocks, interpret)
         out.append((f"flash {text}", fwd_bwd(core), args))
-    xla = lambda q, k, v: attend_xla(q, k[:, :, head_map], v[:, :, head_map], seg, window, scale, a.q_block)
-    out.append((f"XLA query blocks of {a.q_block}", fwd_bwd(xla), args))
+    if a.xla:
+        xla = lambda q, k, v: attend_xla(q, k[:, :, head_map], v[:, :, head_map], seg, window, scale, a.q_block)
+        out.append((f"XLA query blocks of {a.q_block}", fwd_bwd(xla), args))
     if jax.default_backend() == "gpu":
         cudnn = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, implementation="cudnn",
@@ -104,6 +105,8 @@ def main() -> None:
                     help="flash block sizes to time: QxK (forward),QxK (backward)[:forward stages[:backward "
                          "stages[:backward warps]]]; the first is the default (FlashBlocks())")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--xla", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the XLA path (5x slower than the kernel on an H200: --no-xla saves device time)")
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, the kernel interpreted")
     a = ap.parse_args()
     if a.smoke:

@@ -42,15 +42,16 @@ if [ -n "${SMOKE:-}" ]; then
   step_args=(--smoke --steps 2)
 else
   check_args=()
-  grouped_args=(--reps 5)
-  flash_args=()
+  grouped_args=(--reps 5 --block-sizes 128 256 --tiles 128x64 128x64:3 128x128:3 64x128)
+  flash_args=(--no-xla --blocks 128x64,128x64 128x64,128x64:2:1:8 128x64,128x64:3:2:8 128x64,128x64:3:2:4
+              128x128,128x64:3:1:8)
   step_args=()
 fi
 part check 180 python bench/check_gpu_kernels.py "${check_args[@]}"
 part grouped 240 python bench/bench_grouped.py "${grouped_args[@]}"
 part flash 120 python bench/bench_flash.py "${flash_args[@]}"
-part fast 200 python bench/bench_gpu.py --shapes G --paths local,capacity --unrolled --no-remat --no-profile \
-  --steps 4 --budget-s 120 "${step_args[@]}"
+part fast 200 python bench/bench_gpu.py --shapes G --paths local --unrolled --no-remat --steps 4 --budget-s 120 \
+  "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 110 python bench/bench_gpu.py --shapes G --paths local,local-xla --no-profile --steps 4 --budget-s 50 \
   "${step_args[@]}"
