@@ -73,3 +73,44 @@ def test_plan_compile_without_the_cuda_plugin_is_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "CUDA plugin" in proc.stderr and "missing" in proc.stderr
     assert proc.stdout == ""
+
+
+# The EP transport's backward compiled for 4 H200s: the integer index maps (header decode, ranks, chains of
+# integer gathers) must reach the [rows, Z] row gathers as arrays, not fused into them. Fused, each element
+# recomputed the chain: 3.1 ms a layer on an H200 in the capacity path's backward (docs/LOG.md, 2026-12-04,
+# twenty-first session). Without `expert_parallel.materialized` this compile has 10 such fusions.
+_EP_FUSION_SCRIPT = """
+import json, re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from moejax.cuda_aot import gpu_devices
+from moejax.parallel.expert_parallel import routed_expert_parallel
+from moejax.parallel.mesh import BATCH_AXES, MESH_AXES
+mesh = Mesh(np.array(gpu_devices("NVIDIA H200", 4)).reshape(1, 1, 4, 1), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+T, Z, F, E, K = 4096, 128, 128, 16, 4
+tok, exp = NamedSharding(mesh, PartitionSpec(BATCH_AXES)), NamedSharding(mesh, PartitionSpec("expert"))
+S = jax.ShapeDtypeStruct
+args = [S((T, Z), jnp.bfloat16, sharding=tok), S((T, K), jnp.int32, sharding=tok),
+        S((T, K), jnp.float32, sharding=tok), S((T,), jnp.bool_, sharding=tok)]
+args += [S(s, jnp.bfloat16, sharding=exp) for s in ((E, Z, F), (E, Z, F), (E, F, Z))]
+def loss(*a):
+    return jnp.sum(routed_expert_parallel(*a, mesh=mesh)[0].astype(jnp.float32) ** 2)
+text = jax.jit(jax.grad(loss, argnums=(0, 2, 4, 5, 6))).trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+computations = re.split(r"\\n(?=\\S)", text)
+fused = [c.split("(")[0].strip() for c in computations if re.search(r"= [su]32\\[[^\\]]*\\]\\{[^}]*\\} gather\\(", c)
+         and re.search(r"= (?:f32|bf16)\\[[^\\]]*,\\d+\\]\\{[^}]*\\} gather\\(", c)]
+row_gathers = len(re.findall(r"= (?:f32|bf16)\\[[^\\]]*,128\\]\\{[^}]*\\} gather\\(", text))
+print("RESULT " + json.dumps({"fused": fused, "row_gathers": row_gathers}))
+"""
+
+
+def test_ep_transport_index_maps_are_not_fused_into_its_row_gathers():
+    from moejax.cuda_aot import subprocess_env
+
+    proc = subprocess.run([sys.executable, "-c", _EP_FUSION_SCRIPT], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["row_gathers"] > 0, r  # the transport's [rows, Z] gathers are there to look at
+    assert r["fused"] == [], r

@@ -264,7 +264,11 @@ def test_gradient_has_no_scatter(inputs):
     assert "scatter" not in text
     compiled = lowered.compile().as_text()  # its metadata names this test, so match the HLO opcode
     assert re.search(r"\sall-to-all\(", compiled)
-    assert not re.search(r"\sscatter\(", compiled)
+    # No row data is scattered. (XLA 0.11 turns argsort's sort of an index permutation into an integer
+    # replace-scatter on CPU; that one is allowed.)
+    row_op = r"= (?:f32|bf16|f16)\[[^\]]*\]\{[^}]*\} %s\("
+    assert re.search(row_op % "gather", compiled)  # the pattern does match this HLO's row gathers
+    assert not re.search(row_op % "scatter", compiled)
 
 
 def test_fewer_documents_per_shard_drop_more():
