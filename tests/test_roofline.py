@@ -101,6 +101,19 @@ def test_loop_slices_and_in_place_updates_cost_only_their_rows():
     assert r["seconds"] == pytest.approx(r["bytes"] / 1e9 + r["kernels"] * 1e-6)
 
 
+def test_async_fusion_costs_what_its_synchronous_form_costs():
+    """XLA 0.11 on GPU runs a scan's dynamic slices as fusion-start / fusion-done pairs, whose start's result
+    tuple repeats the whole stack: costed as the fusion it calls, the done free (on an H200 the capacity
+    path's step had been priced at 220 GB for them)."""
+    async_hlo = LOOP_HLO.replace(
+        "%x = f32[1,1000]{1,0} fusion(%xs, %i), kind=kLoop, calls=%fused_slice",
+        "%xs0 = ((f32[4,1000]{1,0}, s32[]), f32[1,1000]{1,0}, u32[]) fusion-start(%xs, %i), kind=kLoop, "
+        "calls=%fused_slice\n  %x = f32[1,1000]{1,0} fusion-done(%xs0)")
+    assert "fusion-start" in async_hlo
+    sync, asyn = (roofline.estimate(h, peak_flops=1e12, bandwidth=1e9, launch_s=1e-6) for h in (LOOP_HLO, async_hlo))
+    assert (asyn["bytes"], asyn["kernels"], asyn["seconds"]) == (sync["bytes"], sync["kernels"], sync["seconds"])
+
+
 def test_unknown_trip_count_is_reported():
     r = roofline.estimate(LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', ""), 1e12, 1e9)
     assert any("unknown trip count" in u for u in r["unknown"])

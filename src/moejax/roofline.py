@@ -52,7 +52,11 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+) \(.*\{\s*$")
 _NAME = re.compile(r"%([\w.\-]+)")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "iota", "opt-barrier", "copy-done", "all-reduce-done", "all-gather-done",
-         "collective-permute-done", "send-done", "recv-done", "async-done", "async-update"}
+         "collective-permute-done", "send-done", "recv-done", "async-done", "async-update", "fusion-done"}
+# An asynchronous fusion (XLA 0.11 on GPU makes a scan's dynamic slices of its stacks async): the start is the
+# kernel, costed as the fusion it calls (its result tuple repeats the operands, which are not moved); the
+# done (in _FREE) only waits for it.
+_FUSIONS = {"fusion", "fusion-start"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
 # Ops that update their first operand in place: the operand number of the update (a scatter's indices are
 # read as well).
@@ -239,7 +243,7 @@ class _Walker:
         """Whether this kernel's dot (or the dot of its fused body) multiplies fp32 operands."""
         if ins.op == "dot" or (ins.op == "custom-call" and library_gemm(ins)):
             dots = [ins]
-        elif ins.op == "fusion":
+        elif ins.op in _FUSIONS:
             dots = [i for i in self.comps[ins.called("calls")[0]] if i.op == "dot"]
         else:
             return False
@@ -247,7 +251,7 @@ class _Walker:
 
     def kernel(self, ins: Instr, cost: Cost) -> tuple[float, float]:
         operand_types = [self.shapes.get(o, "") for o in ins.operands]
-        if ins.op == "fusion":
+        if ins.op in _FUSIONS:
             return self.fusion(ins, operand_types)
         if ins.op == "dot":
             return _dot_flops(ins, self.shapes), nbytes(ins.type) + sum(map(nbytes, operand_types))
