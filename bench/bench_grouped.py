@@ -8,7 +8,9 @@ credited). Rows:
 - block matmul only: the default block, with the layout built and rows blocked outside the timed function,
   on the XLA einsums and (`--kernel`, default on GPU) on the Pallas kernels of `grouped_gpu`;
 - kernels fwd + dx + dw only (`--kernel`): the three kernels on the same blocks at each of `--tiles`
-  (output x contraction tile; the weight-gradient tile the same), to pick `GemmTiles` on a GPU;
+  (output x contraction tile; the weight-gradient tile the same), to pick `GemmTiles` on a GPU, and beside
+  each the SwiGLU down projection's dx kernel with the activation's derivative (`matmul_dx_act`, the step's
+  slowest grouped kernel on an H200; with 128-column tiles it spills 12 B at the step's row counts, 64 doesn't);
 - ragged_dot: rows pre-sorted by expert, group sizes given (E x emulated on CPU and GPU);
 - dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
 grouped / dense is the issue-11 target (>= 60% on GPU): per E, the default grouped path, the dense dot and the
@@ -27,6 +29,7 @@ E=384 on an H200, issue 11; its dense emulation took most of the first session's
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -40,6 +43,7 @@ from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, m
 
 
 DENSE = "dense dot (same FLOPs)"
+DX_ACT = "dx_act kernel only (one matmul's FLOPs)"  # a row that does a third of the others' FLOPs
 
 # Defaults on a GPU: issue 11's measurement (262,144 rows x 512 x 512, bf16, E=64 and 384).
 GPU_DEFAULTS = dict(rows=262_144, z=512, f=512, experts=[64, 384], dtype="bfloat16", block_sizes=[128, 256, 512],
@@ -111,14 +115,20 @@ def cases(a, n_exp: int, key) -> list[list[tuple[str, object, tuple]]]:
                     fwd_bwd(lambda x, w, e, c: block_matmul(x, w, e, c), grouped=impl), block_args) for impl in impls]
     headline += blocks_only[:1]
     out += blocks_only[1:]
+    # The SwiGLU down projection's dx with the activation's derivative: x as its cotangent (width Z), the
+    # weights transposed ([E, F, Z]), a random gate/up pair (width F).
+    gu_Nb2F = jax.random.normal(ke, x_NbZ.shape[:2] + (2, a.f), dt)
+    act_args = (x_NbZ, jnp.swapaxes(w_EZF, 1, 2), gu_Nb2F, layout.expert_Bk, layout.blocks_E)
     for t in a.tiles if a.kernel else ():
+        launch = f"tiles {t.tn}x{t.tk}, {t.num_stages} stages, {t.num_warps} warps"
 
         def three_kernels(x, w, dy, e, c, t=t):
             kw = dict(tiles=t, interpret=kernel_choice.run_interpreted())
             return (grouped_gpu.matmul(x, w, e, c, **kw), grouped_gpu.matmul_dx(dy, w, e, c, **kw),
                     grouped_gpu.matmul_dw(x, dy, c, **kw))
-        out.append((f"kernels fwd + dx + dw only, tiles {t.tn}x{t.tk}, {t.num_stages} stages, {t.num_warps} warps",
-                    jax.jit(three_kernels), block_args))
+        out.append((f"kernels fwd + dx + dw only, {launch}", jax.jit(three_kernels), block_args))
+        dx_act = functools.partial(grouped_gpu.matmul_dx_act, tiles=t, interpret=kernel_choice.run_interpreted())
+        out.append((f"{DX_ACT}, {launch}", jax.jit(dx_act), act_args))
     if a.ragged:
         sizes_E = jnp.bincount(expert_A, length=n_exp).astype(jnp.int32)  # rows count as sorted
         out.append(("ragged_dot", fwd_bwd(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), (x_AZ, w_EZF, ct_AF, sizes_E)))
@@ -174,8 +184,9 @@ def main() -> None:
                 if isinstance(t, str):
                     print(f"| {n_exp} | {label} | {t} | | |", flush=True)
                 else:
-                    ratio = f"{dense / t:.2f}" if isinstance(dense, float) else ""
-                    print(f"| {n_exp} | {label} | {1e3 * t:.1f} | {flops / t / 1e12:.3f} | {ratio} |", flush=True)
+                    done = flops / 3 if label.startswith(DX_ACT) else flops
+                    ratio = f"{done / t / (flops / dense):.2f}" if isinstance(dense, float) else ""  # rate / dense's
+                    print(f"| {n_exp} | {label} | {1e3 * t:.1f} | {done / t / 1e12:.3f} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ if [ -n "${SMOKE:-}" ]; then
   step_args=(--smoke --steps 2)
 else
   check_args=()
-  grouped_args=(--reps 5 --block-sizes 128 256 --tiles 128x64 128x64:3 128x128:3 64x128)
+  grouped_args=(--reps 5 --block-sizes 128 256 --tiles 128x64 64x64 128x64:3 128x128:3 64x128)
   flash_args=(--no-xla --blocks 128x64,128x64 128x64,128x64:2:1:8 128x64,128x64:3:2:8 128x64,128x64:3:2:4
               128x128,128x64:3:1:8)
   step_args=()

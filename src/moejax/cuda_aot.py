@@ -198,8 +198,10 @@ def _by_case(stderr: str) -> dict[str, str]:
 
 def _kernel_cases():
     """(name, function, abstract args, Pallas calls expected in the compiled gradient, or in the compiled
-    function for the optimizer's Newton-Schulz): small shapes that take every code path of the kernels; their
-    Triton compile doesn't depend on the sizes beyond the tiles."""
+    function for the optimizer's Newton-Schulz): small shapes that take every code path of the kernels. Their
+    Triton compile mostly doesn't depend on the sizes beyond the tiles, but ptxas's register allocation can:
+    `matmul_dx_act` spills 12 B at the step's row counts (81,920 rows and more at width 512, not at 65,536;
+    docs/LOG.md 2026-12-04, twenty-first session), which these shapes don't reach."""
     import jax
     import jax.numpy as jnp
 
