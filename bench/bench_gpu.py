@@ -206,7 +206,8 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
     return {"shape": cfg.name, "path": path, "step_ms": 1e3 * med, "tokens_per_s": tokens / med,
             "model_tflops": flops / med / 1e12, "mfu": flops / med / peak, "compile_s": compile_s,
             "peak_mem_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "loss": float(metrics["train/loss"]),
-            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels, "kernel_rates": rates, "roofline_ms": 1e3 * roof["seconds"],
+            "drop": float(metrics["moe/drop_fraction"]), "kernels": kernels, "kernel_rates": rates,
+            "roofline_ms": 1e3 * roof["seconds"],
             "roofline_mfu": flops / roof["seconds"] / peak, "roofline": roofline.format_estimate(roof, flops, top=8)}
 
 

@@ -15,9 +15,9 @@ credited). Rows:
 - dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
 grouped / dense is the issue-11 target (>= 60% on GPU): per E, the default grouped path, the dense dot and the
 block matmul alone (the kernel on GPU) are timed and printed first, then the other rows, so a time limit
-that cuts the sweep short still leaves the headline. Times are the median of --reps after one warm-up call (compile excluded); the paths of a group take
-turns rep by rep, so a busy machine slows them alike. A path that fails (e.g. ragged_dot's allocation at
-E=384) prints its error.
+that cuts the sweep short still leaves the headline. Times are the median of --reps after one warm-up call
+(compile excluded); the paths of a group take turns rep by rep, so a busy machine slows them alike. A path
+that fails (e.g. ragged_dot's allocation at E=384) prints its error.
 
 Usage: python bench/bench_grouped.py [--rows 16384] [--z 256] [--f 256] [--experts 32 128] [--dtype float32]
        [--block-sizes 64 128 256] [--reps 5] [--no-ragged]
@@ -117,7 +117,7 @@ def cases(a, n_exp: int, key) -> list[list[tuple[str, object, tuple]]]:
     out += blocks_only[1:]
     # The SwiGLU down projection's dx with the activation's derivative: x as its cotangent (width Z), the
     # weights transposed ([E, F, Z]), a random gate/up pair (width F).
-    gu_Nb2F = jax.random.normal(ke, x_NbZ.shape[:2] + (2, a.f), dt)
+    gu_Nb2F = jax.random.normal(jax.random.fold_in(kc, 1), x_NbZ.shape[:2] + (2, a.f), dt)
     act_args = (x_NbZ, jnp.swapaxes(w_EZF, 1, 2), gu_Nb2F, layout.expert_Bk, layout.blocks_E)
     for t in a.tiles if a.kernel else ():
         launch = f"tiles {t.tn}x{t.tk}, {t.num_stages} stages, {t.num_warps} warps"
@@ -159,8 +159,8 @@ def main() -> None:
     ap.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=jax.default_backend() == "gpu",
                     help="also time the Pallas grouped-GEMM kernels (default on GPU; interpreted, slowly, on CPU)")
     ap.add_argument("--block-xla", action=argparse.BooleanOptionalAction, default=jax.default_backend() != "gpu",
-                    help="also time the block matmul alone on the XLA einsums (default off on GPU: on an H200 "
-                         "its compile took minutes, 2026-12-04)")
+                    help="also time the block matmul alone on the XLA einsums (default off on GPU: on an H200, "
+                         "2026-12-04, XLA's compile of the rows after the headline stalled, most likely this one)")
     ap.add_argument("--tiles", nargs="*", type=parse_tiles,
                     default=[parse_tiles(s) for s in ("64x64", "128x64", "128x64:3", "128x64:3:4", "64x128", "128x128")],
                     help="with --kernel: also time the three kernels alone at these tiles: output x contraction "

@@ -2,8 +2,9 @@
 # Everything issue 11 needs from one GPU session, unattended, each part time-limited (~19 minutes of limits
 # in all, so with a 10-minute limit per command run it as calls on one warm machine (it is given back after
 # 30 s idle): PARTS="check fast flash" (252 s on an H200, 2026-12-04, twenty-first session: check 131 s,
-# fast 90 s, flash 25 s), then PARTS="grouped step" (step 125 s; grouped ran out of its 240 s compiling the
-# XLA block-matmul row, now opt-in), then PARTS="ab" if device time is left):
+# fast 90 s, flash 25 s), then PARTS="grouped step" (step 125 s; grouped ran out of its 240 s in a slow XLA
+# compile after its headline, most likely the XLA block-matmul row, now opt-in), then PARTS="ab" if device
+# time is left):
 #   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references;
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target), tile /
 #            pipeline-stage / warp sweep;
