@@ -103,6 +103,15 @@ def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
             "positions": pos[:, :-1], "loss_mask": seg[:, 1:] == seg[:, :-1]}
 
 
+Totals = tuple[collections.Counter, collections.Counter]  # a trace's (total ms, count) by event name
+TRACED_STEPS = 2  # steps in the profile; its kernel totals are divided by this for figures a step
+
+
+def moe_backend_of(path: str) -> str:
+    """parallel.moe_backend of a bench path: `local` and `local-xla` the dropless local path, `capacity` ep."""
+    return "local" if path.startswith("local") else "ep"
+
+
 def kernel_source(kernel: str, hlo: str, depth: int = 2) -> str:
     """The Python source lines (innermost first) of the compiled instruction a device kernel is named after:
     XLA names a fusion's kernel after the instruction, with '.' and '-' as '_' (e.g. `%loop_add_fusion.3`
@@ -119,7 +128,7 @@ def _kernel_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[str]]
     return frames, {re.sub(r"[.\-]", "_", name): f for name, f in frames.items()}
 
 
-def event_totals(trace_dir: Path) -> tuple[collections.Counter, collections.Counter]:
+def event_totals(trace_dir: Path) -> Totals:
     """(total ms, count) by event name on the device lanes of the perfetto trace (host lanes if the backend
     records none)."""
     total, count = collections.Counter(), collections.Counter()
@@ -138,14 +147,13 @@ def event_totals(trace_dir: Path) -> tuple[collections.Counter, collections.Coun
     return total, count
 
 
-def top_kernels(totals: tuple[collections.Counter, collections.Counter], n: int = 8) -> list[tuple[str, float, int]]:
+def top_kernels(totals: Totals, n: int = 8) -> list[tuple[str, float, int]]:
     """(name, total ms, count) of the n longest events."""
     total, count = totals
     return [(name, ms, count[name]) for name, ms in total.most_common(n)]
 
 
-def kernel_rates(totals: tuple[collections.Counter, collections.Counter], roof: dict,
-                 traced_steps: int = 2) -> list[tuple[str, float, int, float]]:
+def kernel_rates(totals: Totals, roof: dict) -> list[tuple[str, float, int, float]]:
     """(kernel, ms a step, calls a step, TFLOP/s) of each of our Pallas kernels, every compiled variant
     (XLA names them `moejax_x`, `moejax_x__1`, ...) summed, against the FLOPs the roofline counts for it in
     one step, so a kernel's rate needs no guess at which variant is which matmul."""
@@ -154,12 +162,13 @@ def kernel_rates(totals: tuple[collections.Counter, collections.Counter], roof: 
     for name, t in total.items():
         base = re.sub(r"__\d+$", "", name)
         if base.startswith("moejax_"):
-            ms[base] += t / traced_steps
-            calls[base] += count[name] // traced_steps
+            ms[base] += t / TRACED_STEPS
+            calls[base] += count[name] // TRACED_STEPS
     flops = collections.Counter()
     for label, _, f, _, _ in roof["items"]:
-        if label.split()[-1] in ms:
-            flops[label.split()[-1]] += f
+        kernel = label.split()[-1]  # "[phase] moejax_x"
+        if kernel in ms:
+            flops[kernel] += f
     return [(k, t, calls[k], flops[k] / (t / 1e3) / 1e12 if t else 0.0) for k, t in ms.most_common()]
 
 
@@ -167,7 +176,7 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
     if path == "local-xla":  # the choice is read at trace time, i.e. in the first (compiling) step
         with chosen(GROUPED[0], "xla"):
             return dict(run_case(cfg, "local", steps, peak, bandwidth, profile), path=path)
-    backend = "local" if path.startswith("local") else "ep"
+    backend = moe_backend_of(path)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
     mesh = make_mesh(cfg.parallel)
     optimizer, lr_fns = make_optimizer(cfg)
@@ -194,7 +203,7 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
     if profile:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
-                for i in range(2):
+                for i in range(TRACED_STEPS):
                     state, metrics = jax.block_until_ready(step(state, batches[i % 2]))
             totals = event_totals(Path(d))
             kernels = [(name, ms, n, kernel_source(name, hlo)) for name, ms, n in top_kernels(totals)]
@@ -261,8 +270,8 @@ def main() -> int:
             print(f"    measured / roofline {r['step_ms'] / r['roofline_ms']:.2f}x; " + r["roofline"].replace("\n", "\n    "),
                   flush=True)
             for name, ms, n, where in r["kernels"]:
-                print(f"    {ms / 2:9.2f} ms/step  x{n // 2:<4d} {name[:90]}" + (f"  [{where}]" if where else ""),
-                      flush=True)
+                print(f"    {ms / TRACED_STEPS:9.2f} ms/step  x{n // TRACED_STEPS:<4d} {name[:90]}"
+                      + (f"  [{where}]" if where else ""), flush=True)
             if r["kernel_rates"]:
                 print("    our kernels, all variants: " + "; ".join(
                     f"{k} {ms:.1f} ms x{n} {tf:.0f} TFLOP/s" for k, ms, n, tf in r["kernel_rates"]), flush=True)

@@ -29,15 +29,14 @@ from moejax import roofline
 
 def gpu(shape: str, remat: bool, optimizer: str, top: int, scan_layers: bool = True, by_source: bool = False,
         path: str = "local") -> None:
-    from bench_gpu import rung_d1024, shape_g
+    from bench_gpu import moe_backend_of, rung_d1024, shape_g
 
     from moejax.ladder.lower import lower_train_step
 
     cfg = {"G": shape_g, "d1024": rung_d1024}[shape]()
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=optimizer, remat=remat,
                                                              scan_layers=scan_layers),
-                              parallel=dataclasses.replace(cfg.parallel,
-                                                           moe_backend="ep" if path == "capacity" else "local"))
+                              parallel=dataclasses.replace(cfg.parallel, moe_backend=moe_backend_of(path)))
     r = lower_train_step(cfg, compile=True, top=top, by_source=by_source)
     c = r["compiled"]
     print(f"{shape} on one NVIDIA H200, {path} path: batch {r['batch'][0]} x {r['batch'][1]}, remat "

@@ -55,10 +55,10 @@ class FlashBlocks:
     register spills (a static sweep through XLA's GPU compiler and ptxas, `moejax.cuda_aot`; docs/LOG.md
     2026-12-01, fourth session): 64 x 64 on 4 warps, the earlier default, spilled ~0.4 KB per thread in dK/dV,
     128 x 128 needs more shared memory than an SM has. Pipeline stages: on an H200 (docs/LOG.md 2026-12-04)
-    3 forward and 2 backward were 5% faster than 2 and 1 on local and global bf16 layers, but 2 backward
-    spill in dK/dV (ptxas: 16 B a thread then, 164 B with the document bounds); the forward takes 3, the
-    backward keeps 1 until a GPU run times the two apart (`bench/bench_flash.py`'s rows). fp32 tiles take
-    twice the shared memory a stage, more than an SM has at 3: `for_dtype` keeps 2 for them."""
+    3 forward stages beat 2 by 2-3% on local and global bf16 layers; 2 backward stages gained another 2%,
+    inside the machine's noise, and spill in dK/dV (ptxas: 164 B a thread with the document bounds), so the
+    backward keeps 1. fp32 tiles take twice the shared memory a stage, more than an SM has at 3: `for_dtype`
+    keeps 2 for them."""
     q: int = 128
     k: int = 64
     q_bwd: int = 128
