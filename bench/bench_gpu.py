@@ -8,8 +8,9 @@ Shapes:
   d1024  the real d1024 ladder rung (384 experts, ~4.0B params) at batch 8 x 4096
 Paths: `local` (dropless grouped GEMM, the single-device default: the Pallas kernels of
 `moejax.model.moe.grouped_gpu` on a GPU) and `capacity` (the pooled-wave transport forced on a 1-device
-mesh: parallel.moe_backend=ep, cf 1.15); `local-xla` (opt-in) is the local path on the XLA block einsums
-(MOEJAX_GROUPED=xla), to A/B the grouped-GEMM kernel.
+mesh: parallel.moe_backend=ep, cf 1.15); opt-in: `local-xla`, the local path on the XLA block einsums
+(MOEJAX_GROUPED=xla), to A/B the grouped-GEMM kernel, and `local-rows`, the kernels reading and writing the
+rows in place (MOEJAX_GROUPED_ROWS=gpu_kernel), to A/B the row gathers inside them.
 MFU = 3 x analytic forward FLOPs/token x tokens / step time / the job's peak (`moejax.perf.job_peak`: bf16
 matmul measured at start on GPU, fp32 on CPU). Beside each measurement, the roofline of the same compiled
 step (`moejax.roofline`, at the measured peak and in-place memory bandwidth): how far the step is from its
@@ -24,6 +25,9 @@ Layers unrolled (CPU: 1.16x at 4 layers) on G:   PYTHONPATH=src python bench/ben
 G's fastest layout by its roofline (unrolled, no remat; 51 GB):
                                                 PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled --no-remat
 Grouped-GEMM kernel vs XLA einsums on G:        PYTHONPATH=src python bench/bench_gpu.py --shapes G --paths local,local-xla
+Row gathers in the kernels or by XLA, fast layout:
+                                                PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled --no-remat \
+                                                  --paths local,local-rows
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import numpy as np
 
 from moejax import accounting, roofline
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
-from moejax.model.kernel_choice import ATTENTION, GROUPED, NEWTON_SCHULZ, chosen, kernel_impl
+from moejax.model.kernel_choice import ATTENTION, GROUPED, GROUPED_ROWS, NEWTON_SCHULZ, chosen, kernel_impl
 from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak, measure_bandwidth
@@ -105,10 +109,13 @@ def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
 
 Totals = tuple[collections.Counter, collections.Counter]  # a trace's (total ms, count) by event name
 TRACED_STEPS = 2  # steps in the profile; its kernel totals are divided by this for figures a step
+# The local path with one kernel choice set: the XLA einsums, or the kernels' row gathers inside them.
+LOCAL_VARIANTS = {"local-xla": (GROUPED[0], "xla"), "local-rows": (GROUPED_ROWS[0], "gpu_kernel")}
 
 
 def moe_backend_of(path: str) -> str:
-    """parallel.moe_backend of a bench path: `local` and `local-xla` the dropless local path, `capacity` ep."""
+    """parallel.moe_backend of a bench path: `local`, `local-xla`, `local-rows` the dropless local path,
+    `capacity` ep."""
     return "local" if path.startswith("local") else "ep"
 
 
@@ -173,8 +180,9 @@ def kernel_rates(totals: Totals, roof: dict) -> list[tuple[str, float, int, floa
 
 
 def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: float, profile: bool) -> dict:
-    if path == "local-xla":  # the choice is read at trace time, i.e. in the first (compiling) step
-        with chosen(GROUPED[0], "xla"):
+    # the choices are read at trace time, i.e. in the first (compiling) step
+    if path in LOCAL_VARIANTS:
+        with chosen(*LOCAL_VARIANTS[path]):
             return dict(run_case(cfg, "local", steps, peak, bandwidth, profile), path=path)
     backend = moe_backend_of(path)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
@@ -240,7 +248,8 @@ def main() -> int:
     bandwidth = measure_bandwidth(1 << 24 if jax.default_backend() == "cpu" else 1 << 28)  # past L2 on a GPU
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
-          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)}, Newton-Schulz "
+          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)} (rows {kernel_impl(*GROUPED_ROWS)}), "
+          f"Newton-Schulz "
           f"{kernel_impl(*NEWTON_SCHULZ)} (one-device runs); memory bandwidth {bandwidth / 1e9:.0f} GB/s "
           f"(in place)",
           flush=True)

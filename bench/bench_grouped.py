@@ -3,8 +3,9 @@
 One matmul y_AF = x_AZ @ w[expert_A] with random (uniform) expert choices, forward plus the backward to both
 x and w, FLOPs counted as 3 x 2*A*Z*F (the useful FLOPs; padding and ragged_dot's dense emulation are not
 credited). Rows:
-- grouped, b=...: `moejax.model.moe.grouped` end to end (make_layout + gather into blocks + block matmul +
-  gather back), per block size (the default block for this shape is always included);
+- grouped, b=...: `moejax.model.moe.grouped.grouped_matmul` end to end (make_layout + gather into blocks +
+  block matmul + gather back), per block size (the default block for this shape is always included); with
+  `--kernel`, also with the row gathers inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel: no block copies);
 - block matmul only: the default block, with the layout built and rows blocked outside the timed function,
   on the XLA einsums and (`--kernel`, default on GPU) on the Pallas kernels of `grouped_gpu`;
 - kernels fwd + dx + dw only (`--kernel`): the three kernels on the same blocks at each of `--tiles`
@@ -37,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.model import kernel_choice
-from moejax.model.kernel_choice import GROUPED, chosen
+from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, chosen
 from moejax.model.moe import grouped_gpu
-from moejax.model.moe.grouped import block_matmul, default_block, from_blocks, make_layout, to_blocks
+from moejax.model.moe.grouped import block_matmul, default_block, grouped_matmul, make_layout, to_blocks
 
 
 DENSE = "dense dot (same FLOPs)"
@@ -50,16 +51,17 @@ GPU_DEFAULTS = dict(rows=262_144, z=512, f=512, experts=[64, 384], dtype="bfloat
                     ragged=False)
 
 
-def fwd_bwd(fn, grouped: str | None = None):
+def fwd_bwd(fn, grouped: str | None = None, rows: str = "xla"):
     """jit of (args...) -> <fn(x, w, ...), ct> and its grads with respect to x and w. The value is returned so
     the forward matmul is computed: the loss is linear in fn, whose grads alone would not need it.
-    `grouped` ('xla' | 'gpu_kernel') fixes MOEJAX_GROUPED while the whole function, backward included, traces."""
+    `grouped` ('xla' | 'gpu_kernel') fixes MOEJAX_GROUPED, and `rows` MOEJAX_GROUPED_ROWS, while the whole
+    function, backward included, traces."""
     f = jax.value_and_grad(lambda x, w, ct, *rest: jnp.vdot(fn(x, w, *rest), ct).real, argnums=(0, 1))
     if grouped is None:
         return jax.jit(f)
 
     def under_choice(*args):
-        with chosen(GROUPED[0], grouped):
+        with chosen(GROUPED[0], grouped), chosen(GROUPED_ROWS[0], rows):
             return f(*args)
     return jax.jit(under_choice)
 
@@ -83,11 +85,8 @@ def time_interleaved(runs: list[tuple[str, object, tuple]], reps: int) -> dict[s
     return {label: out.get(label) or float(np.median(times[label])) for label, _, _ in runs}
 
 
-def grouped_fn(block: int, n_exp: int):
-    def f(x_AZ, w_EZF, expert_A):
-        layout = make_layout(expert_A, n_exp, block)
-        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, layout.expert_Bk, layout.blocks_E), layout)
-    return f
+def grouped_fn(block: int):
+    return lambda x_AZ, w_EZF, expert_A: grouped_matmul(x_AZ, expert_A, w_EZF, block)
 
 
 def cases(a, n_exp: int, key) -> list[list[tuple[str, object, tuple]]]:
@@ -100,10 +99,13 @@ def cases(a, n_exp: int, key) -> list[list[tuple[str, object, tuple]]]:
     expert_A = jax.random.randint(ke, (a.rows,), 0, n_exp)
     ct_AF = jax.random.normal(kc, (a.rows, a.f), dt)
     b_def = default_block(a.rows, n_exp)
-    headline = [(f"grouped, b={b_def} (default)", fwd_bwd(grouped_fn(b_def, n_exp)), (x_AZ, w_EZF, ct_AF, expert_A)),
+    grouped_args = (x_AZ, w_EZF, ct_AF, expert_A)
+    headline = [(f"grouped, b={b_def} (default)", fwd_bwd(grouped_fn(b_def)), grouped_args),
                 (DENSE, fwd_bwd(lambda x, w: x @ w), (x_AZ, w_EZF[0], ct_AF))]
-    out = [(f"grouped, b={b}", fwd_bwd(grouped_fn(b, n_exp)), (x_AZ, w_EZF, ct_AF, expert_A))
-           for b in sorted(set(a.block_sizes) - {b_def})]
+    if a.kernel:  # the kernels reading and writing the rows in place: no gathers into blocks and back
+        headline.append((f"grouped, b={b_def}, rows in the kernels",
+                         fwd_bwd(grouped_fn(b_def), grouped="gpu_kernel", rows="gpu_kernel"), grouped_args))
+    out = [(f"grouped, b={b}", fwd_bwd(grouped_fn(b)), grouped_args) for b in sorted(set(a.block_sizes) - {b_def})]
     layout = make_layout(expert_A, n_exp)
     x_NbZ = to_blocks(x_AZ, layout)
     ct_NbF = jax.random.normal(kc, x_NbZ.shape[:2] + (a.f,), dt)

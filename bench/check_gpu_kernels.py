@@ -3,7 +3,8 @@ checks the same kernels through the Pallas interpreter on CPU; this checks what 
 
 - grouped GEMM: `grouped_swiglu` (the kernels' forward, dx and dw; gate and up as one matmul, the down
   projection's dx with the activation's derivative) vs an fp32 per-row SwiGLU, values and the
-  gradients of x and the three weights; unaligned groups with empty experts at E = 64 and 384, bf16 and fp32.
+  gradients of x and the three weights; unaligned groups with empty experts at E = 64 and 384, bf16 and fp32;
+  and bf16 with the rows read and written inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel).
 - flash attention: the kernel vs the dense fp32 core, values and q/k/v gradients; local (window) and
   global (GQA on 1 KV head) layers, packed documents, bf16 and fp32; and keys extended in front (context
   parallelism: 256 earlier keys, -1 padding on one row).
@@ -29,7 +30,7 @@ import numpy as np
 from bench_gpu import packed_segments  # bench/ is sys.path[0] when run as a script
 from moejax.model.attention import _softmax_av, block_mask
 from moejax.model.flash_gpu import FlashBlocks, flash_attention
-from moejax.model.kernel_choice import GROUPED, chosen, run_interpreted
+from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, chosen, run_interpreted
 from moejax.model.moe.grouped import grouped_swiglu
 
 TOLERANCE = {"bfloat16": 4 * 2.0 ** -8, "float32": 4 * 2.0 ** -11}
@@ -59,7 +60,7 @@ def swiglu_reference(x, expert_A, wg, wu, wd):
     return jnp.einsum("af,afz->az", h, wd, precision=HP)
 
 
-def check_grouped(n_exp: int, rows: int, width: int, dtype: str) -> dict:
+def check_grouped(n_exp: int, rows: int, width: int, dtype: str, rows_in_kernels: str = "xla") -> dict:
     rng = np.random.default_rng(n_exp)
     probs = rng.dirichlet(np.full(n_exp, 0.3))  # uneven loads, some experts empty
     expert_A = jnp.asarray(rng.choice(n_exp, size=rows, p=probs), jnp.int32)
@@ -68,15 +69,17 @@ def check_grouped(n_exp: int, rows: int, width: int, dtype: str) -> dict:
     ws = [jnp.asarray(rng.normal(size=s) / np.sqrt(width), dt)
           for s in [(n_exp, width, width), (n_exp, width, width), (n_exp, width, width)]]
     ct = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
-    with chosen(GROUPED[0], "gpu_kernel"):  # traced inside: the kernels (fwd, dx, dw) of gate-and-up and of
-        # the down projection (its dx with the activation's derivative)
+    # traced inside: the kernels (fwd, dx, dw) of gate-and-up and of the down projection (its dx with the
+    # activation's derivative)
+    with chosen(GROUPED[0], "gpu_kernel"), chosen(GROUPED_ROWS[0], rows_in_kernels):
         got = value_and_grads(lambda x, *w: grouped_swiglu(x, expert_A, *w), (x, *ws), ct, kernels=2 * 3)
     ref = value_and_grads(lambda x, *w: swiglu_reference(x, expert_A, *w),
                           (x.astype(jnp.float32), *(w.astype(jnp.float32) for w in ws)), ct)
     names = ["y", "dx", "dw_gate", "dw_up", "dw_down"]
     errs = [rel_err(got[0], ref[0])] + [rel_err(a, b) for a, b in zip(got[1], ref[1])]
     empty = int(np.sum(np.bincount(np.asarray(expert_A), minlength=n_exp) == 0))
-    return {"what": f"grouped SwiGLU E={n_exp} ({empty} empty), {rows} rows x {width}, {dtype}",
+    rows_note = ", rows in the kernels" if rows_in_kernels == "gpu_kernel" else ""
+    return {"what": f"grouped SwiGLU E={n_exp} ({empty} empty), {rows} rows x {width}, {dtype}{rows_note}",
             "errors": dict(zip(names, errs)), "tol": TOLERANCE[dtype]}
 
 
@@ -134,11 +137,12 @@ def main() -> int:
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
           + ("; kernels interpreted (a check of the script)" if run_interpreted() else ""))
     if a.smoke:
-        grouped = [(8, 300, 32, "float32"), (8, 300, 32, "bfloat16")]
+        grouped = [(8, 300, 32, "float32"), (8, 300, 32, "bfloat16"), (8, 300, 32, "bfloat16", "gpu_kernel")]
         flash = [(64, 4, 2, 16, 24, 0), (64, 4, 1, 16, None, 0), (64, 4, 1, 16, None, 32)]
         blocks = FlashBlocks(q=16, k=16, q_bwd=16, k_bwd=16)
     else:
         grouped = [(e, 8192, 256, dt) for e in (64, 384) for dt in ("bfloat16", "float32")]
+        grouped += [(e, 8192, 256, "bfloat16", "gpu_kernel") for e in (64, 384)]
         flash = [(1024, 8, 2, 128, 256, 0), (1024, 8, 1, 128, None, 0), (1024, 8, 1, 128, None, 256),
                  (1024, 8, 2, 128, 256, 256)]
         blocks = None  # the kernel's defaults for each dtype (FlashBlocks.for_dtype)

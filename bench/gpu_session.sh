@@ -13,7 +13,8 @@
 #   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (49 GB),
 #            local then capacity path;
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile;
-#   ab       bench_gpu.py --paths local,local-xla on G: the grouped-GEMM kernel vs the XLA einsums in the step.
+#   ab       bench_gpu.py --paths local,local-rows on G in the fast layout: the grouped GEMM's row gathers by
+#            XLA (the default) vs inside its kernels (MOEJAX_GROUPED_ROWS=gpu_kernel, not yet timed).
 # A crash or hang (a Triton compile, an OOM) costs only its part. Output: the console, and one log per part
 # under $OUT (the device tool's folder) or ./bench_out.
 # Usage, from the repository root on the GPU machine:  bash bench/gpu_session.sh
@@ -58,5 +59,5 @@ part flash 120 python bench/bench_flash.py "${flash_args[@]}"
 part fast 260 python bench/bench_gpu.py --shapes G --paths local,capacity --unrolled --no-remat --steps 4 \
   --budget-s 120 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
-part ab 110 python bench/bench_gpu.py --shapes G --paths local,local-xla --no-profile --steps 4 --budget-s 50 \
-  "${step_args[@]}"
+part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --unrolled --no-remat --no-profile \
+  --steps 4 --budget-s 120 "${step_args[@]}"

@@ -174,12 +174,24 @@ def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
 
 @pytest.mark.parametrize("axes", [dict(data=8), dict(data=2, expert=4)], ids=["local_data8", "ep_data2_expert4"])
 def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
+    _lower_mesh_step(axes, "xla", monkeypatch)
+
+
+def test_mesh_step_with_rows_in_the_grouped_kernels(monkeypatch):
+    """As above with MOEJAX_GROUPED_ROWS=gpu_kernel: the grouped kernels read a shard's 64 tokens in place
+    ([64, Z] operands, no [Bk, b, Z] copy) and write its 64 x top-2 assignment rows, under shard_map (the
+    whole-array outputs of the scattered stores need their varying axes too)."""
+    _lower_mesh_step(dict(data=8), "gpu_kernel", monkeypatch)
+
+
+def _lower_mesh_step(axes: dict, rows_in_kernels: str, monkeypatch):
     """On 8 abstract H200s, the train step's kernels are called inside the batch shards' shard_map with one
     device's rows (batch 8 over 8 shards: 1 row each): attention on both MoE backends, the grouped GEMM on
     the local one (the EP backend's experts are batched einsums on its fixed buffers). Under shard_map
     Pallas must be told its outputs' varying axes (`pallas_util.out_like`); without that this raised."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_GROUPED_ROWS", rows_in_kernels)
     model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
                       shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
     par = ParallelConfig(**axes)
@@ -201,6 +213,11 @@ def test_mesh_step_runs_each_kernel_per_batch_shard(axes, monkeypatch):
     b = default_block(rows, model.n_experts, grouped_gpu.MIN_TILE)
     shard_blocks = f"tensor<{(rows + model.n_experts * (b - 1)) // b}x{b}x"  # [Bk, b, ...] of one shard's rows
     grouped = [o for o in operands if o not in attention]
-    assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
     assert len(grouped) == (model.n_layers * 2 * 3 if par.resolved_backend == "local" else 0)
+    if rows_in_kernels == "xla":
+        assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
+    else:  # gate/up's forward and dw read the shard's tokens; the down projection's dx_act and dw its rows
+        reads = lambda shape: sum(f"tensor<{shape}xbf16>" in o for o in grouped)
+        assert reads(f"64x{model.latent_width}") == model.n_layers * 2, grouped[:2]
+        assert reads(f"{rows}x{model.latent_width}") == model.n_layers * 2, grouped[:2]
     assert _jaxpr_loops(traced.jaxpr) == []  # nor in the EP transport's ranking

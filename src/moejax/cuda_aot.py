@@ -206,6 +206,7 @@ def _kernel_cases():
     import jax.numpy as jnp
 
     from moejax.model.flash_gpu import flash_attention
+    from moejax.model.kernel_choice import GROUPED_ROWS, chosen
     from moejax.model.moe.grouped import grouped_swiglu
 
     sds = jax.ShapeDtypeStruct
@@ -217,10 +218,11 @@ def _kernel_cases():
         kv = sds((b, s + earlier, kv_heads, hd), dtype)
         return f, (sds((b, s, h, hd), dtype), kv, kv, sds((b, s + earlier), jnp.int32)), 3  # fwd, dq, dkv
 
-    def grouped_grad(n_exp, dtype, rows=4096, width=256):
+    def grouped_grad(n_exp, dtype, rows=4096, width=256, rows_in_kernels="xla"):
         def f(x, e, wg, wu, wd):
             loss = lambda x, wg, wu, wd: grouped_swiglu(x, e, wg, wu, wd).astype(jnp.float32).sum()
-            return jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+            with chosen(GROUPED_ROWS[0], rows_in_kernels):  # read while jit traces f
+                return jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
         w = sds((n_exp, width, width), dtype)
         # gate and up as one matmul, then the down projection (its dx with the activation's derivative): 2
         # forward kernels (the down projection's is dead: sum's gradient doesn't read it), 2 dx, 2 dw
@@ -241,6 +243,8 @@ def _kernel_cases():
         ("grouped SwiGLU bf16 E=64", *grouped_grad(64, bf16)),
         ("grouped SwiGLU bf16 E=384", *grouped_grad(384, bf16)),
         ("grouped SwiGLU fp32 E=64", *grouped_grad(64, f32)),
+        ("grouped SwiGLU bf16 E=64, rows read and written in the kernels (MOEJAX_GROUPED_ROWS)",
+         *grouped_grad(64, bf16, rows_in_kernels="gpu_kernel")),
         ("Newton-Schulz bf16 [8, 512, 512] stack", *newton_schulz_stack((8, 512, 512))),
     ]
 

@@ -3,7 +3,10 @@
 One rule for every op that has both (attention: MOEJAX_ATTENTION, grouped GEMM: MOEJAX_GROUPED, the
 optimizer's Newton-Schulz: MOEJAX_NS, whose default kernel is for single-device runs only): the
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
-everything else XLA; a kernel chosen off GPU runs interpreted. On several GPUs each kernel runs per device:
+everything else XLA; a kernel chosen off GPU runs interpreted. Opt-in ops (`OPT_IN`) default to XLA
+everywhere until a GPU has measured their kernel: MOEJAX_GROUPED_ROWS, the grouped GEMM kernels reading and
+writing the rows in place instead of XLA gathering them into blocks and back (`grouped.swiglu_rows`).
+On several GPUs each kernel runs per device:
 its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
 `attention_kernel`), since a custom call left to GSPMD would run replicated (the train loop's steps are
 tested for it: tests/test_local_data_parallel.py). `targeting_gpu()` makes a machine without a GPU choose and lower
@@ -49,7 +52,7 @@ def kernel_impl(env_var: str, what: str) -> str:
         raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS} (the {what} implementation)")
     if chosen:
         return chosen
-    return "gpu_kernel" if lowering_for_gpu() else "xla"
+    return "gpu_kernel" if lowering_for_gpu() and env_var not in OPT_IN else "xla"
 
 
 @contextlib.contextmanager
@@ -115,7 +118,10 @@ def run_interpreted() -> bool:
 ATTENTION = ("MOEJAX_ATTENTION", "attention")
 GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
 NEWTON_SCHULZ = ("MOEJAX_NS", "Newton-Schulz")  # the optimizer's (train.ns_gpu), on one device by default
-KERNEL_OPS = (ATTENTION, GROUPED, NEWTON_SCHULZ)
+# The grouped GEMM's row gathers inside its kernels (on with MOEJAX_GROUPED's kernels only); not yet timed.
+GROUPED_ROWS = ("MOEJAX_GROUPED_ROWS", "grouped GEMM row gathers")
+KERNEL_OPS = (ATTENTION, GROUPED, NEWTON_SCHULZ, GROUPED_ROWS)
+OPT_IN = {GROUPED_ROWS[0]}  # unset: XLA, on a GPU too
 
 
 def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ...] | None = None) -> None:

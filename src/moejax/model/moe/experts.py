@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from moejax.model.layers import swiglu_act
-from moejax.model.moe.grouped import from_blocks, make_layout, swiglu_blocks, to_blocks
+from moejax.model.moe.grouped import make_layout, swiglu_rows
 
 
 def expert_mlp_batched(x_ERZ: Float[Array, "E R Z"], w_gate_EZF, w_up_EZF, w_down_EFZ) -> Float[Array, "E R Z"]:
@@ -37,7 +37,7 @@ def routed_local(z_TZ: Float[Array, "T Z"], expert_TK: Int[Array, "T K"], weight
     n_tok, k = expert_TK.shape
     # One layout per layer, shared by the gate, up and down matmuls; rows gather straight from z_TZ.
     layout = make_layout(expert_TK.reshape(-1), w_gate_EZF.shape[0])
-    y_BkbZ = swiglu_blocks(to_blocks(z_TZ, layout, rows_per_source=k), layout, w_gate_EZF, w_up_EZF, w_down_EFZ)
-    out_TKZ = from_blocks(y_BkbZ, layout).reshape(n_tok, k, -1).astype(jnp.float32)
+    y_AZ = swiglu_rows(z_TZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ, rows_per_source=k)
+    out_TKZ = y_AZ.reshape(n_tok, k, -1).astype(jnp.float32)
     w_TK = jnp.where(mask_T[:, None], weight_TK.astype(jnp.float32), 0.0)
     return jnp.einsum("tk,tkz->tz", w_TK, out_TKZ)

@@ -34,6 +34,15 @@ expert MLP is two matmuls: gate and up as one, against their weights side by sid
 of the SwiGLU activation, with the activation's derivative in its dx kernel's epilogue (`_swiglu_down`).
 MOEJAX_GROUPED=xla|gpu_kernel chooses explicitly (`kernel_choice`). With the kernels on, blocks
 are at least 16 rows; widths that aren't multiples of 16 are a one-line error, not a silent fall back.
+
+Row maps (`row_maps`, MOEJAX_GROUPED_ROWS=gpu_kernel, opt-in): the layout's gathers into blocks and back
+done by the kernels themselves. The gate/up kernel reads the tokens' rows through the map (a gathered load)
+and the down projection writes the assignment rows (a scattered store); in the backward the dx_act and dw
+kernels read dy's rows the same way and gate/up's dx writes one row per assignment, which XLA sums over the
+K choices of each token in fp32. No [Pd, Z] block copy of x, y, dy or dx is made: at shape G that is ~1 GB
+of HBM traffic a layer (the bench's grouped GEMM spends about as long on its gathers as on its kernels,
+docs/LOG.md 2026-12-04). Not yet timed on a GPU, so off by default (`bench/bench_gpu.py --paths
+local,local-rows`, `bench/bench_grouped.py`'s "rows in the kernels" row).
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from moejax.config import ConfigError
 from moejax.model import kernel_choice
-from moejax.model.kernel_choice import GROUPED, kernel_impl
+from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, kernel_impl
 from moejax.model.layers import pytree_dataclass, swiglu_act
 from moejax.model.moe import grouped_gpu
 
@@ -94,6 +103,11 @@ def default_block(n_rows: int, n_experts: int, min_block: int = MIN_BLOCK) -> in
 
 def _kernel_chosen() -> bool:
     return kernel_impl(*GROUPED) == "gpu_kernel"
+
+
+def _rows_in_kernels() -> bool:
+    """The GPU kernels read and write the rows in place (MOEJAX_GROUPED_ROWS, opt-in), not in XLA's blocks."""
+    return _kernel_chosen() and kernel_impl(*GROUPED_ROWS) == "gpu_kernel"
 
 
 def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | None = None) -> BlockLayout:
@@ -247,9 +261,107 @@ def _swiglu_down_bwd(interpret, res, dy_BkbZ):
 _swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
 
 
+def row_maps(layout: BlockLayout, rows_per_source: int = 1) -> tuple[Int[Array, "Pd"], Int[Array, "Pd"]]:
+    """The layout as the kernels' row maps (`grouped_gpu`), -1 on padding rows: (source row each padded row
+    reads, as `to_blocks` gathers it: row // rows_per_source; the row each writes, as `from_blocks` reads it)."""
+    real_Pd = layout.row_Pd < layout.slot_A.shape[0]
+    return (jnp.where(real_Pd, layout.row_Pd // rows_per_source, -1).astype(jnp.int32),
+            jnp.where(real_Pd, layout.row_Pd, -1).astype(jnp.int32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _rows_matmul(x_NZ, w_EZF, src_Pd, dst_Pd, expert_Bk, blocks_E, rows_per_source: int, out_rows: bool,
+                 interpret: bool):
+    """`block_matmul` on the kernels with the row gathers inside them: block rows read x_NZ's rows through
+    src_Pd; the result is blocks, or (out_rows) the [A, F] rows dst_Pd maps to, A = N * rows_per_source."""
+    n_out = x_NZ.shape[0] * rows_per_source
+    return grouped_gpu.matmul(x_NZ, w_EZF, expert_Bk, blocks_E, interpret=interpret, rows_in=src_Pd,
+                              rows_out=dst_Pd if out_rows else None, n_out=n_out)
+
+
+def _rows_matmul_fwd(x_NZ, w_EZF, src_Pd, dst_Pd, expert_Bk, blocks_E, rows_per_source, out_rows, interpret):
+    y = _rows_matmul(x_NZ, w_EZF, src_Pd, dst_Pd, expert_Bk, blocks_E, rows_per_source, out_rows, interpret)
+    return y, (x_NZ, w_EZF, src_Pd, dst_Pd, expert_Bk, blocks_E)
+
+
+def _rows_matmul_bwd(rows_per_source, out_rows, interpret, res, dy):
+    x_NZ, w_EZF, src_Pd, dst_Pd, expert_Bk, blocks_E = res
+    n_src, z = x_NZ.shape
+    dy_rows = dst_Pd if out_rows else None  # dy is [A, F] rows, or blocks
+    dx_AZ = grouped_gpu.matmul_dx(dy, w_EZF, expert_Bk, blocks_E, interpret=interpret, rows_in=dy_rows,
+                                  rows_out=dst_Pd, n_out=n_src * rows_per_source)
+    # each source row's K reads summed in fp32 (as its K rows are one token's K expert choices)
+    dx_NZ = dx_AZ.astype(jnp.float32).reshape(n_src, rows_per_source, z).sum(axis=1).astype(x_NZ.dtype)
+    dw_EZF = grouped_gpu.matmul_dw(x_NZ, dy, blocks_E, interpret=interpret, out_dtype=w_EZF.dtype, x_rows=src_Pd,
+                                   dy_rows=dy_rows, block=src_Pd.shape[0] // expert_Bk.shape[0])
+    return dx_NZ, dw_EZF, None, None, None, None
+
+
+_rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _swiglu_down_rows(gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E, n_out: int, interpret: bool):
+    """`_swiglu_down` writing its result straight to the [n_out, Z] rows dst_Pd maps to, its backward reading
+    dy's rows through the same map (the dx and dw kernels' gathered loads)."""
+    return grouped_gpu.matmul(_activation(gu_Bkb2F), w_EFZ, expert_Bk, blocks_E, interpret=interpret,
+                              rows_out=dst_Pd, n_out=n_out)
+
+
+def _swiglu_down_rows_fwd(gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E, n_out, interpret):
+    y = _swiglu_down_rows(gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E, n_out, interpret)
+    return y, (gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E)
+
+
+def _swiglu_down_rows_bwd(n_out, interpret, res, dy_AZ):
+    gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E = res
+    dgu_Bkb2F = grouped_gpu.matmul_dx_act(dy_AZ, w_EFZ, gu_Bkb2F, expert_Bk, blocks_E, interpret=interpret,
+                                          dy_rows=dst_Pd)
+    dw_EFZ = grouped_gpu.matmul_dw(_activation(gu_Bkb2F), dy_AZ, blocks_E, interpret=interpret,
+                                   out_dtype=w_EFZ.dtype, dy_rows=dst_Pd)
+    return dgu_Bkb2F, dw_EFZ, None, None, None
+
+
+_swiglu_down_rows.defvjp(_swiglu_down_rows_fwd, _swiglu_down_rows_bwd)
+
+
+def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Float[Array, "E Z F"],
+                w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"],
+                rows_per_source: int = 1) -> Float[Array, "A Z"]:
+    """The grouped SwiGLU from source rows to assignment rows: row a = s*K + k (K = rows_per_source) is
+    expert e_a's SwiGLU of source row s, in `layout`'s order of experts. By XLA's gathers into blocks and back
+    around `swiglu_blocks`, or (MOEJAX_GROUPED_ROWS=gpu_kernel, with the GPU kernels) inside the kernels:
+    the gate/up kernel reads the source rows in place, the down projection writes the assignment rows, and
+    their backward kernels read and write rows the same way, so no [Pd, Z] block copy of x, y or their
+    gradients is made."""
+    if not _rows_in_kernels():
+        x_BkbZ = to_blocks(x_NZ, layout, rows_per_source)
+        return from_blocks(swiglu_blocks(x_BkbZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ), layout)
+    interpret = _kernel(layout.block, w_gate_EZF)["interpret"]
+    src_Pd, dst_Pd = row_maps(layout, rows_per_source)
+    e, c = layout.expert_Bk, layout.blocks_E
+    gu_Bkb2F = _rows_matmul(x_NZ, jnp.concatenate([w_gate_EZF, w_up_EZF], axis=-1), src_Pd, dst_Pd, e, c,
+                            rows_per_source, False, interpret)
+    gu_Bkb2F = gu_Bkb2F.reshape(layout.n_blocks, layout.block, 2, -1)
+    return _swiglu_down_rows(gu_Bkb2F, w_down_EFZ, dst_Pd, e, c, x_NZ.shape[0] * rows_per_source, interpret)
+
+
+def grouped_matmul(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_EZF: Float[Array, "E Z F"],
+                   block_size: int | None = None) -> Float[Array, "A F"]:
+    """y[a] = x[a] @ w[expert_A[a]], rows in any order (one grouped GEMM, as `jax.lax.ragged_dot` but unsorted):
+    layout, gathers into blocks, `block_matmul`, gather back; with MOEJAX_GROUPED_ROWS=gpu_kernel the
+    gathers happen inside the kernels."""
+    layout = make_layout(expert_A, w_EZF.shape[0], block_size)
+    e, c = layout.expert_Bk, layout.blocks_E
+    if not _rows_in_kernels():
+        return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, e, c), layout)
+    interpret = _kernel(layout.block, w_EZF)["interpret"]
+    src_Pd, dst_Pd = row_maps(layout)
+    return _rows_matmul(x_AZ, w_EZF, src_Pd, dst_Pd, e, c, 1, True, interpret)
+
+
 def grouped_swiglu(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_gate_EZF, w_up_EZF, w_down_EFZ,
                    block_size: int | None = None) -> Float[Array, "A Z"]:
     """SwiGLU of row a with the weights of expert expert_A[a] (rows in any order)."""
-    layout = make_layout(expert_A, w_gate_EZF.shape[0], block_size)
-    y_BkbZ = swiglu_blocks(to_blocks(x_AZ, layout), layout, w_gate_EZF, w_up_EZF, w_down_EFZ)
-    return from_blocks(y_BkbZ, layout)
+    return swiglu_rows(x_AZ, make_layout(expert_A, w_gate_EZF.shape[0], block_size), w_gate_EZF, w_up_EZF,
+                       w_down_EFZ)
