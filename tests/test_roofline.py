@@ -154,6 +154,15 @@ def test_pallas_grouped_gemm_flops():
     gu = "bf16[10,128,2,256]{3,2,1,0}"  # the down projection's dx with the activation's derivative: width 256
     assert roofline.pallas_flops("moejax_grouped_dx_act", [e, e, x, "bf16[4,256,512]", gu], gu) == \
         2 * 10 * 128 * 512 * 256
+    # with row maps: Pd = 10 x 128 rows computed, whatever the rows' arrays hold (here 300 tokens, 900 rows)
+    m, tok, rows = "s32[1280]{0}", "bf16[300,512]{1,0}", "bf16[900,256]{1,0}"
+    assert roofline.pallas_flops("moejax_grouped_fwd_rows", [e, e, m, m, tok, w], rows) == 2 * 1280 * 512 * 256
+    assert roofline.pallas_flops("moejax_grouped_dx_rows", [e, e, m, rows, w], "bf16[900,512]") == \
+        2 * 1280 * 256 * 512
+    assert roofline.pallas_flops("moejax_grouped_dw_rows", ["s32[4]", "s32[4]", m, tok, dy], "f32[4,512,256]") == \
+        2 * 1280 * 512 * 256
+    assert roofline.pallas_flops("moejax_grouped_dx_act_rows", [e, e, m, "bf16[900,512]", "bf16[4,256,512]", gu],
+                                 gu) == 2 * 1280 * 512 * 256
     a, b = "bf16[6,64,64]{2,1,0}", "bf16[6,64,256]{2,1,0}"
     assert roofline.pallas_flops("moejax_ns_matmul_add", [a, b, b], b) == 2 * 6 * 64 * 64 * 256
     assert roofline.pallas_flops("some_other_kernel", [x], x) is None

@@ -157,6 +157,13 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     if kernel == "moejax_grouped_dw":  # (first, count, x [Bk,b,Z], dy)
         n_blocks, b, z = ops[2][0], ops[2][1], ops[2][-1]
         return 2.0 * n_blocks * b * z * ops[-1][-1]
+    # With row maps (`grouped_gpu`): the first map [Pd] follows the two index operands; Pd rows are computed.
+    if kernel in ("moejax_grouped_fwd_rows", "moejax_grouped_dx_rows"):  # (..., maps, x [., K], w), out [., N]
+        return 2.0 * ops[2][0] * ops[-2][-1] * res[0][1][-1]
+    if kernel == "moejax_grouped_dx_act_rows":  # (expert, used, map, dy [N, Z], w, gu), out [Bk, b, 2, F]
+        return 2.0 * ops[2][0] * ops[3][-1] * res[0][1][-1]
+    if kernel == "moejax_grouped_dw_rows":  # (first, count, maps, x [., Z], dy [., F])
+        return 2.0 * ops[2][0] * ops[-2][-1] * ops[-1][-1]
     if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])
         n, m, k = ops[0]
         return 2.0 * n * m * k * ops[1][-1]
