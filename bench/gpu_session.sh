@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Everything issue 11 needs from one GPU session, unattended, each part time-limited (~19 minutes of limits
-# in all, so with a 10-minute limit per command run it as calls on one warm machine (it is given back after
-# 30 s idle): PARTS="check fast flash" (252 s on an H200, 2026-12-04, twenty-first session: check 131 s,
-# fast 90 s, flash 25 s), then PARTS="grouped step" (step 125 s; grouped ran out of its 240 s in a slow XLA
-# compile after its headline, most likely the XLA block-matmul row, now opt-in), then PARTS="ab" if device
-# time is left):
-#   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references;
-#   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target), tile /
+# Everything issue 11 needs from one GPU session, unattended, each part time-limited (~24 minutes of limits
+# in all, so with a 10-minute limit per command and 15 minutes of device time, run the parts that matter as
+# calls on one warm machine, back to back: it is given back after 30 s idle). Next session (after the
+# twenty-second, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
+# to 240 s), then PARTS="fast" (up to 330 s); step and flash were measured in the twenty-first session.
+#   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references (the
+#            grouped kernels also with the rows read and written in place: MOEJAX_GROUPED_ROWS);
+#   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target): the default
+#            path, the dense dot, the rows-in-the-kernels path and the kernels alone first; then the tile /
 #            pipeline-stage / warp sweep;
 #   flash    bench_flash.py: the attention core, flash kernel block sizes (and the default without document
 #            skipping) vs the XLA path (and cuDNN);
-#   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (49 GB),
-#            local then capacity path;
+#   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (49 GB):
+#            the local path, the local path with the rows in the kernels (the A/B that decides
+#            MOEJAX_GROUPED_ROWS's default), then the capacity path;
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile;
-#   ab       bench_gpu.py --paths local,local-rows on G in the fast layout: the grouped GEMM's row gathers by
-#            XLA (the default) vs inside its kernels (MOEJAX_GROUPED_ROWS=gpu_kernel, not yet timed).
+#   ab       bench_gpu.py --paths local,local-rows on G in the default layout (scanned, remat).
 # A crash or hang (a Triton compile, an OOM) costs only its part. Output: the console, and one log per part
 # under $OUT (the device tool's folder) or ./bench_out.
 # Usage, from the repository root on the GPU machine:  bash bench/gpu_session.sh
@@ -54,10 +55,10 @@ fi
 part check 180 python bench/check_gpu_kernels.py "${check_args[@]}"
 part grouped 240 python bench/bench_grouped.py "${grouped_args[@]}"
 part flash 120 python bench/bench_flash.py "${flash_args[@]}"
-# local first (90 s on the H200), then the capacity path in the same layout (never timed there: in the first
-# session it started after the local case and ran out of the part's limit)
-part fast 260 python bench/bench_gpu.py --shapes G --paths local,capacity --unrolled --no-remat --steps 4 \
-  --budget-s 120 "${step_args[@]}"
+# local first (90 s on the H200), then with the rows in the kernels, then the capacity path in the same
+# layout (never timed there: it started after the local case and ran out of the part's limit before)
+part fast 330 python bench/bench_gpu.py --shapes G --paths local,local-rows,capacity --unrolled --no-remat \
+  --steps 4 --budget-s 200 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
-part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --unrolled --no-remat --no-profile \
-  --steps 4 --budget-s 120 "${step_args[@]}"
+part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --no-profile --steps 4 --budget-s 120 \
+  "${step_args[@]}"
