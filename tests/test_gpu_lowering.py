@@ -147,11 +147,14 @@ def test_newton_schulz_kernel_in_one_device_steps(monkeypatch):
     assert _triton_calls(step, state, batch) == model_calls
 
 
-def test_d1024_rung_step_lowers_with_both_kernels(monkeypatch):
+@pytest.mark.parametrize("rows", ["xla", "gpu_kernel"], ids=["xla_gathers", "rows_in_kernels"])
+def test_d1024_rung_step_lowers_with_both_kernels(rows, monkeypatch):
     """The real d1024 rung (384 experts, scanned layers, remat, memory settings) at issue 11's 8 x 4096
-    tokens: both kernels take its shapes (abstract shapes: nothing is allocated)."""
+    tokens: both kernels take its shapes (abstract shapes: nothing is allocated), with the grouped GEMM's
+    rows gathered by XLA or (MOEJAX_GROUPED_ROWS) inside its kernels."""
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
+    monkeypatch.setenv("MOEJAX_GROUPED_ROWS", rows)
     monkeypatch.setenv("MOEJAX_NS", "xla")  # counted in test_newton_schulz_kernel_in_one_device_steps
     cfg = ladder_rung(1024)
     cfg = replace(cfg, train=replace(cfg.train, batch_size=8, remat=True), parallel=ParallelConfig())
