@@ -53,13 +53,24 @@ def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("env_var", ["MOEJAX_ATTENTION", "MOEJAX_GROUPED"])
+@pytest.mark.parametrize("env_var", ["MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_GROUPED_ROWS"])
 def test_bad_kernel_choice_is_one_line_before_the_run_dir(env_var, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(env_var, "cuda")
     assert main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert f"{env_var}='cuda' is not one of ('xla', 'gpu_kernel')" in err and err.count("\n") == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_rows_in_kernels_without_the_kernels_is_one_line(tmp_path, capsys, monkeypatch):
+    """MOEJAX_GROUPED_ROWS=gpu_kernel only means something with the grouped kernels: asked for alone (on CPU
+    the grouped GEMM is XLA's by default) it is a one-line error, not silently ignored."""
+    monkeypatch.delenv("MOEJAX_GROUPED", raising=False)
+    monkeypatch.setenv("MOEJAX_GROUPED_ROWS", "gpu_kernel")
+    assert main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "MOEJAX_GROUPED_ROWS=gpu_kernel moves the row gathers" in err and "MOEJAX_GROUPED is xla" in err
+    assert err.count("\n") == 1 and not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("env_var, override, words", [

@@ -130,6 +130,9 @@ def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ..
     (context phases: seq_len / context-parallel degree)."""
     for op in KERNEL_OPS:
         kernel_impl(*op)
+    if kernel_impl(*GROUPED_ROWS) == "gpu_kernel" and kernel_impl(*GROUPED) != "gpu_kernel":
+        raise ConfigError(f"{GROUPED_ROWS[0]}=gpu_kernel moves the row gathers into the grouped GEMM's kernels, "
+                          f"but {GROUPED[0]} is xla here: set {GROUPED[0]}=gpu_kernel too, or unset {GROUPED_ROWS[0]}")
     if model is None:
         return
     problems = {}
