@@ -249,8 +249,8 @@ def main() -> int:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
           f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)} (rows {kernel_impl(*GROUPED_ROWS)}), "
-          f"Newton-Schulz "
-          f"{kernel_impl(*NEWTON_SCHULZ)} (one-device runs); memory bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"Newton-Schulz {kernel_impl(*NEWTON_SCHULZ)} (one-device runs); memory bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s "
           f"(in place)",
           flush=True)
     shapes = {"G": shape_g, "d1024": rung_d1024}

@@ -5,12 +5,12 @@ optimizer's Newton-Schulz: MOEJAX_NS, whose default kernel is for single-device 
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
 everything else XLA; a kernel chosen off GPU runs interpreted. Opt-in ops (`OPT_IN`) default to XLA
 everywhere until a GPU has measured their kernel: MOEJAX_GROUPED_ROWS, the grouped GEMM kernels reading and
-writing the rows in place instead of XLA gathering them into blocks and back (`grouped.swiglu_rows`).
-On several GPUs each kernel runs per device:
-its caller wraps it in shard_map over the batch shards (`parallel.backends`: the local MoE backend, and
-`attention_kernel`), since a custom call left to GSPMD would run replicated (the train loop's steps are
-tested for it: tests/test_local_data_parallel.py). `targeting_gpu()` makes a machine without a GPU choose and lower
-as a GPU would (`moejax plan --lower`, the CUDA lowering tests).
+writing the rows in place instead of XLA gathering them into blocks and back (`grouped.swiglu_rows`). On
+several GPUs each kernel runs per device: its caller wraps it in shard_map over the batch shards
+(`parallel.backends`: the local MoE backend, and `attention_kernel`), since a custom call left to GSPMD would
+run replicated (the train loop's steps are tested for it: tests/test_local_data_parallel.py).
+`targeting_gpu()` makes a machine without a GPU choose and lower as a GPU would (`moejax plan --lower`, the
+CUDA lowering tests).
 The choice is read while a function is traced. The step builders (`train.step`) fix it when the step is
 built (`current`, `pinned`), so a step runs what was chosen when it was made, whenever jit traces it; for
 other functions, jit caches the trace by function: trace a newly built one after changing the choice.

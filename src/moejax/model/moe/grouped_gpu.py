@@ -30,7 +30,8 @@ loads and stores. Values are the XLA path's: fp32 accumulation, outputs in the o
 (common) dtype, weight gradient in fp32. `interpret=True` runs the same kernels through the Pallas
 interpreter (CPU tests; `grouped.block_matmul` picks it off GPU). Tile sizes are untuned defaults
 (`bench/bench_grouped.py --tiles` on a GPU); `shape_problem` says why a shape can't use them. Only plain ref
-indexing, lax.dot_general and lax.fori_loop are used, so the kernels lower on jax 0.10 and 0.11 alike.
+indexing, lax.dot_general, lax.fori_loop and (for row maps) `plgpu.load` / `plgpu.store` with array indices
+and masks are used, so the kernels lower on jax 0.10 and 0.11 alike (both tested, interpreted and compiled).
 """
 
 from __future__ import annotations
