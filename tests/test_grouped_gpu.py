@@ -68,11 +68,13 @@ def test_kernel_swiglu_384_experts(kernel):
     _swiglu_vs_reference(*_problem(2, sizes, Z=16, F=16), 16, RTOL_FP32, ATOL_FP32)
 
 
-def test_kernel_bf16_close_to_fp32_reference(kernel):
+@pytest.mark.parametrize("rows", ["xla", "gpu_kernel"], ids=["xla_gathers", "rows_in_kernels"])
+def test_kernel_bf16_close_to_fp32_reference(kernel, rows, monkeypatch):
     """bf16 operands against the fp32 reference on the same (bf16-rounded) values, in relative Frobenius
     norm: elementwise, bf16 at widths >= 16 (the kernels' minimum) is off by more than test_grouped's
     narrow-width tolerance for the XLA path too; in norm both stay near 0.5% (measured), inside the
-    bound of four bf16 roundings."""
+    bound of four bf16 roundings. Also with the rows read and written in the kernels."""
+    monkeypatch.setenv("MOEJAX_GROUPED_ROWS", rows)
     x, expert_A, ws, ct = _problem(3, UNALIGNED, Z=32, F=32, dtype=jnp.bfloat16)
     swiglu = lambda x, *w: grouped_swiglu(x, expert_A, *w, block_size=16)
     assert _uses_kernel(lambda x, w: swiglu(x, w, *ws[1:]), x, ws[0])
