@@ -201,6 +201,7 @@ def test_routed_local_on_the_kernels_equals_the_xla_path(rows):
     np.testing.assert_allclose(got, want, rtol=RTOL_FP32, atol=ATOL_FP32)
     for name, a, b in zip(["z", "combine weights", "w_gate", "w_up", "w_down"], got_grads, want_grads):
         np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=f"grad {name}")
+    assert "name=moejax_grouped_dx_act" in names, "the kernel path was not taken"
     mapped = [f"moejax_grouped_{kind}_rows" for kind in ("fwd", "dx", "dw", "dx_act")]
     assert all((m in names) == (rows == "gpu_kernel") for m in mapped), names.count("_rows")
 
@@ -208,7 +209,7 @@ def test_routed_local_on_the_kernels_equals_the_xla_path(rows):
 def test_grouped_matmul_with_rows_in_kernels_equals_the_per_row_matmul():
     """One grouped GEMM (`grouped_matmul`, rows unsorted) with every row gather inside its three kernels:
     values and both gradients against x[a] @ w[e_a] per row."""
-    x, expert_A, (w, _, _), ct = _problem(10, UNALIGNED, Z=32, F=48)
+    x, expert_A, (w, _, _), _ = _problem(10, UNALIGNED, Z=32, F=48)
     ct = jax.random.normal(jax.random.key(11), (x.shape[0], 48))
     per_row = lambda x, w: jnp.einsum("az,azf->af", x, w[expert_A], precision=jax.lax.Precision.HIGHEST)
     with chosen(GROUPED[0], "gpu_kernel"), chosen(GROUPED_ROWS[0], "gpu_kernel"):
