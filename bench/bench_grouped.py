@@ -5,7 +5,8 @@ x and w, FLOPs counted as 3 x 2*A*Z*F (the useful FLOPs; padding and ragged_dot'
 credited). Rows:
 - grouped, b=...: `moejax.model.moe.grouped.grouped_matmul` end to end (make_layout + gather into blocks +
   block matmul + gather back), per block size (the default block for this shape is always included); with
-  `--kernel`, also with the row gathers inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel: no block copies);
+  `--kernel`, also with the row gathers inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel: no block copies),
+  and so with the rows given sorted by expert as ragged_dot takes them (the layout skips its sort);
 - block matmul only: the default block, with the layout built and rows blocked outside the timed function,
   on the XLA einsums and (`--kernel`, default on GPU) on the Pallas kernels of `grouped_gpu`;
 - kernels fwd + dx + dw only (`--kernel`): the three kernels on the same blocks at each of `--tiles`
@@ -109,6 +110,12 @@ def cases(a, n_exp: int, key) -> list[list[tuple[str, object, tuple]]]:
     if a.kernel:  # the kernels reading and writing the rows in place: no gathers into blocks and back
         kernels.append((f"grouped, b={b_def}, rows in the kernels",
                         fwd_bwd(grouped_fn(b_def), grouped="gpu_kernel", rows="gpu_kernel"), grouped_args))
+        # ragged_dot's contract: rows come sorted by expert, so the layout skips its sort
+        order = jnp.argsort(expert_A)
+        presorted = lambda x, w, e: grouped_matmul(x, e, w, b_def, presorted=True)
+        kernels.append((f"grouped, b={b_def}, rows in the kernels, rows pre-sorted (as ragged_dot takes them)",
+                        fwd_bwd(presorted, grouped="gpu_kernel", rows="gpu_kernel"),
+                        (x_AZ[order], w_EZF, ct_AF[order], expert_A[order])))
     out = [(f"grouped, b={b}", fwd_bwd(grouped_fn(b)), grouped_args) for b in sorted(set(a.block_sizes) - {b_def})]
     layout = make_layout(expert_A, n_exp)
     x_NbZ = to_blocks(x_AZ, layout)

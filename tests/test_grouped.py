@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moejax.model.moe.experts import routed_local
-from moejax.model.moe.grouped import default_block, grouped_swiglu, make_layout
+from moejax.model.moe.grouped import default_block, grouped_matmul, grouped_swiglu, make_layout
 from moejax.model.moe.reference import routed_reference
 
 RTOL_FP32 = 1e-5
@@ -118,6 +118,21 @@ def test_layout_blocks_are_single_expert_and_bounded():
     assert used == np.sum(-(-sizes // b)), "each expert gets exactly ceil(n_e / b) blocks"
     np.testing.assert_array_equal(layout.blocks_E, -(-sizes // b))
     assert np.all(block_of_row[real_P] < used), "the used blocks come first, the static tail after them"
+
+
+def test_presorted_layout_skips_the_sort_and_equals_the_sorted_one():
+    """Rows already in expert order (ragged_dot's input): `presorted` gives the layout the sort would give,
+    field by field, and `grouped_matmul` the same values."""
+    _, expert_A, _, _ = _problem(6, UNALIGNED)
+    expert_A = jnp.sort(expert_A)
+    want, got = make_layout(expert_A, len(UNALIGNED), 8), make_layout(expert_A, len(UNALIGNED), 8, presorted=True)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, b)
+    assert " sort[" not in str(jax.make_jaxpr(lambda e: make_layout(e, len(UNALIGNED), 8, presorted=True))(expert_A))
+    assert " sort[" in str(jax.make_jaxpr(lambda e: make_layout(e, len(UNALIGNED), 8))(expert_A))
+    x = jax.random.normal(jax.random.key(0), (expert_A.shape[0], 6))
+    w = jax.random.normal(jax.random.key(1), (len(UNALIGNED), 6, 10))
+    np.testing.assert_array_equal(grouped_matmul(x, expert_A, w, 8, presorted=True), grouped_matmul(x, expert_A, w, 8))
 
 
 def test_default_block_shrinks_for_small_inputs():

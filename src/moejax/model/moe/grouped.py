@@ -110,13 +110,17 @@ def _rows_in_kernels() -> bool:
     return _kernel_chosen() and kernel_impl(*GROUPED_ROWS) == "gpu_kernel"
 
 
-def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | None = None) -> BlockLayout:
+def make_layout(expert_A: Int[Array, "A"], n_experts: int, block_size: int | None = None,
+                presorted: bool = False) -> BlockLayout:
     """Sort rows by expert (stable: source order inside an expert) and pad each expert to whole blocks of
-    block_size rows (None: `default_block`, no smaller than the GPU kernels' minimum when they run)."""
+    block_size rows (None: `default_block`, no smaller than the GPU kernels' minimum when they run).
+    presorted: the rows already come in ascending expert order (as `jax.lax.ragged_dot` takes them), so the
+    sort is skipped; unsorted ids then give a wrong layout, unchecked."""
     (n_rows,) = expert_A.shape
     b = block_size or default_block(n_rows, n_experts, grouped_gpu.MIN_TILE if _kernel_chosen() else MIN_BLOCK)
     n_blocks = max(1, (n_rows + n_experts * (b - 1)) // b)
-    order_A = jnp.argsort(expert_A, stable=True)  # sorted position -> source row
+    # sorted position -> source row
+    order_A = jnp.arange(n_rows, dtype=jnp.int32) if presorted else jnp.argsort(expert_A, stable=True)
     expert_sorted_A = expert_A[order_A]
     count_E = jnp.bincount(expert_A, length=n_experts).astype(jnp.int32)
     padded_E = (count_E + b - 1) // b * b
@@ -347,11 +351,11 @@ def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Floa
 
 
 def grouped_matmul(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_EZF: Float[Array, "E Z F"],
-                   block_size: int | None = None) -> Float[Array, "A F"]:
-    """y[a] = x[a] @ w[expert_A[a]], rows in any order (one grouped GEMM, as `jax.lax.ragged_dot` but unsorted):
-    layout, gathers into blocks, `block_matmul`, gather back; with MOEJAX_GROUPED_ROWS=gpu_kernel the
-    gathers happen inside the kernels."""
-    layout = make_layout(expert_A, w_EZF.shape[0], block_size)
+                   block_size: int | None = None, presorted: bool = False) -> Float[Array, "A F"]:
+    """y[a] = x[a] @ w[expert_A[a]], rows in any order (one grouped GEMM, as `jax.lax.ragged_dot` but unsorted;
+    `presorted` as `make_layout`: rows already in expert order skip the sort): layout, gathers into blocks,
+    `block_matmul`, gather back; with MOEJAX_GROUPED_ROWS=gpu_kernel the gathers happen inside the kernels."""
+    layout = make_layout(expert_A, w_EZF.shape[0], block_size, presorted)
     e, c = layout.expert_Bk, layout.blocks_E
     if not _rows_in_kernels():
         return from_blocks(block_matmul(to_blocks(x_AZ, layout), w_EZF, e, c), layout)
