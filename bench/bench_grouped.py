@@ -6,7 +6,7 @@ credited). Rows:
 - grouped, b=...: `moejax.model.moe.grouped.grouped_matmul` end to end (make_layout + gather into blocks +
   block matmul + gather back), per block size (the default block for this shape is always included); with
   `--kernel`, also with the row gathers inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel: no block copies),
-  and so with the rows given sorted by expert as ragged_dot takes them (the layout skips its sort);
+  and that again with the rows given sorted by expert, as ragged_dot takes them (the layout skips its sort);
 - block matmul only: the default block, with the layout built and rows blocked outside the timed function,
   on the XLA einsums and (`--kernel`, default on GPU) on the Pallas kernels of `grouped_gpu`;
 - kernels fwd + dx + dw only (`--kernel`): the three kernels on the same blocks at each of `--tiles`
@@ -16,8 +16,8 @@ credited). Rows:
 - ragged_dot: rows pre-sorted by expert, group sizes given (E x emulated on CPU and GPU);
 - dense: x_AZ @ w_ZF, the same useful FLOPs in one dot.
 grouped / dense is the issue-11 target (>= 60% on GPU): per E, the default grouped path and the dense dot are
-timed and printed first; then, with the dense dot again, the rows-in-the-kernels path and the block matmul
-alone (the kernel on GPU); then the other rows. A time limit (or a slow compile) that cuts the sweep short
+timed and printed first; then, with the dense dot again, the rows-in-the-kernels paths (rows unsorted and
+pre-sorted) and the block matmul alone (the kernel on GPU); then the other rows. A time limit (or a slow compile) that cuts the sweep short
 still leaves the headline. Times are the median of --reps after one warm-up call
 (compile excluded); the paths of a group take turns rep by rep, so a busy machine slows them alike. A path
 that fails (e.g. ragged_dot's allocation at E=384) prints its error.

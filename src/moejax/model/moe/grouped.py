@@ -39,10 +39,10 @@ Row maps (`row_maps`, MOEJAX_GROUPED_ROWS=gpu_kernel, opt-in): the layout's gath
 done by the kernels themselves. The gate/up kernel reads the tokens' rows through the map (a gathered load)
 and the down projection writes the assignment rows (a scattered store); in the backward the dx_act and dw
 kernels read dy's rows the same way and gate/up's dx writes one row per assignment, which XLA sums over the
-K choices of each token in fp32. No [Pd, Z] block copy of x, y, dy or dx is made: at shape G that is ~1 GB
-of HBM traffic a layer (the bench's grouped GEMM spends about as long on its gathers as on its kernels,
-docs/LOG.md 2026-12-04). Not yet timed on a GPU, so off by default (`bench/bench_gpu.py --paths
-local,local-rows`, `bench/bench_grouped.py`'s "rows in the kernels" row).
+K choices of each token in fp32. No [Pd, Z] block copy of x, y, dy or dx is made: at shape G, 0.8-1.6 GB of
+HBM traffic a layer by the compiled step's roofline, and in the bench's single grouped GEMM 2.1 GB, ~0.65 ms
+beside ~1.2 ms of kernels on an H200 (docs/LOG.md 2026-12-04). Not yet timed on a GPU, so off by default
+(`bench/bench_gpu.py --paths local,local-rows`, `bench/bench_grouped.py`'s "rows in the kernels" rows).
 """
 
 from __future__ import annotations
