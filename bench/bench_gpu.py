@@ -250,8 +250,7 @@ def main() -> int:
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
           f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)} (rows {kernel_impl(*GROUPED_ROWS)}), "
           f"Newton-Schulz {kernel_impl(*NEWTON_SCHULZ)} (one-device runs); memory bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s "
-          f"(in place)",
+          f"{bandwidth / 1e9:.0f} GB/s (in place)",
           flush=True)
     shapes = {"G": shape_g, "d1024": rung_d1024}
     results = []

@@ -150,20 +150,17 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     """FLOPs of one of moejax's Pallas kernels from its operands, or None for a kernel it doesn't know."""
     ops = [arrays(t)[0][1] if arrays(t) else () for t in operand_types]
     res = arrays(result_type)
-    if kernel in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_dx_act"):
-        # (expert, used, x [Bk,b,K], w, ...), out [Bk,b,N] (dx_act: [Bk,b,2,N])
-        n_blocks, b, k = ops[2][0], ops[2][1], ops[2][-1]
-        return 2.0 * n_blocks * b * k * res[0][1][-1]
-    if kernel == "moejax_grouped_dw":  # (first, count, x [Bk,b,Z], dy)
-        n_blocks, b, z = ops[2][0], ops[2][1], ops[2][-1]
-        return 2.0 * n_blocks * b * z * ops[-1][-1]
-    # With row maps (`grouped_gpu`): the first map [Pd] follows the two index operands; Pd rows are computed.
-    if kernel in ("moejax_grouped_fwd_rows", "moejax_grouped_dx_rows"):  # (..., maps, x [., K], w), out [., N]
-        return 2.0 * ops[2][0] * ops[-2][-1] * res[0][1][-1]
-    if kernel == "moejax_grouped_dx_act_rows":  # (expert, used, map, dy [N, Z], w, gu), out [Bk, b, 2, F]
-        return 2.0 * ops[2][0] * ops[3][-1] * res[0][1][-1]
-    if kernel == "moejax_grouped_dw_rows":  # (first, count, maps, x [., Z], dy [., F])
-        return 2.0 * ops[2][0] * ops[-2][-1] * ops[-1][-1]
+    grouped = kernel.removesuffix("_rows")
+    if grouped in ("moejax_grouped_fwd", "moejax_grouped_dx", "moejax_grouped_dx_act", "moejax_grouped_dw"):
+        # Operands: two index arrays (expert, used / first, count), then the row maps of the `_rows` variants
+        # ([Pd] each, `grouped_gpu`), then the matmul's own (x, w / dy, w, gu / x, dy). Pd = Bk * b rows are
+        # computed: a map's length, or the blocks of the first operand [Bk, b, K].
+        mapped = kernel != grouped
+        rows = ops[2][0] if mapped else ops[2][0] * ops[2][1]
+        if grouped == "moejax_grouped_dw":  # (..., x [., Z], dy [., F])
+            return 2.0 * rows * ops[-2][-1] * ops[-1][-1]
+        first = 2 + sum(len(o) == 1 for o in ops[2:]) if mapped else 2  # the first non-map operand: x or dy
+        return 2.0 * rows * ops[first][-1] * res[0][1][-1]  # out [., N] (dx_act: [Bk, b, 2, N])
     if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])
         n, m, k = ops[0]
         return 2.0 * n * m * k * ops[1][-1]

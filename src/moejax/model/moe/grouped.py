@@ -347,7 +347,7 @@ def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Floa
     gu_Bkb2F = _rows_matmul(x_NZ, jnp.concatenate([w_gate_EZF, w_up_EZF], axis=-1), src_Pd, dst_Pd, e, c,
                             rows_per_source, False, interpret)
     gu_Bkb2F = gu_Bkb2F.reshape(layout.n_blocks, layout.block, 2, -1)
-    return _swiglu_down_rows(gu_Bkb2F, w_down_EFZ, dst_Pd, e, c, x_NZ.shape[0] * rows_per_source, interpret)
+    return _swiglu_down_rows(gu_Bkb2F, w_down_EFZ, dst_Pd, e, c, layout.slot_A.shape[0], interpret)
 
 
 def grouped_matmul(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_EZF: Float[Array, "E Z F"],
