@@ -23,8 +23,8 @@ from moejax.model.moe.reference import routed_reference
 from moejax.model.transformer import Transformer, forward
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.expert_parallel import (KEPT, PADDING, RECEIVER_DROPPED, SENDER_DROPPED,
-                                             routed_expert_parallel, routed_expert_parallel_debug,
-                                             transport_sizes)
+                                             _decode_header, _encode_header, header_digits, routed_expert_parallel,
+                                             routed_expert_parallel_debug, transport_sizes)
 from moejax.parallel.mesh import BATCH_AXES, MESH_AXES, batch_sharding, make_mesh as run_mesh
 from moejax.presets import preset
 from moejax.train.step import qb_hook, with_router_bias
@@ -225,16 +225,21 @@ def test_waves_agree_without_drops(inputs, no_drop_run, waves):
         assert_close(g, g3, FP32_RTOL, f"d{name} waves={waves} vs 3")
 
 
-def test_bf16_header_limit_is_refused():
-    mesh = make_mesh(1, 1)
-    args = make_inputs(n_tok=8, n_exp=256, width=2, hidden=2, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"local experts per shard \(256\) \+ 1 exceeds 256"):
-        routed_expert_parallel(*shard(mesh, args), mesh=mesh)
+@pytest.mark.parametrize("local_experts,digits", [(1, 1), (255, 1), (256, 2), (384, 2), (65_535, 2), (65_536, 3)])
+def test_header_digits_round_trip_exactly_in_bf16(local_experts, digits):
+    # Header values run 0 .. E_loc; each digit is 0 .. 255, exact in bf16 (256 would be too, 257 not).
+    assert header_digits(local_experts) == digits
+    sizes = transport_sizes(64, 2, 3, local_experts, 3, 1.0, 1.0, 8, 2)
+    values_XP = jnp.asarray(np.random.default_rng(0).integers(0, local_experts + 1, (3, sizes.send_pool)))
+    values_XP = values_XP.at[0, 0].set(local_experts)  # the largest value a layout can write
+    header_XMZ = _encode_header(values_XP, sizes, 8, jnp.bfloat16)
+    assert header_XMZ.shape == (3, math.ceil(digits * sizes.send_pool / 8), 8) == (3, sizes.header_rows, 8)
+    np.testing.assert_array_equal(_decode_header(header_XMZ, sizes), values_XP)
 
 
 def test_bf16_header_at_the_limit_routes_exactly():
-    # E_loc = 255, the most the config allows (E_loc + 1 <= 256): header values reach 255 = E_loc, the largest a
-    # layout can produce; every integer up to 256 is exact in bf16, 257 would not be.
+    # E_loc = 255, the most one digit holds: header values reach 255 = E_loc, the largest a layout can
+    # produce; every integer up to 256 is exact in bf16, 257 would not be.
     mesh = make_mesh(2, 1)
     args = make_inputs(n_tok=32, n_exp=510, width=4, hidden=4, dtype=jnp.bfloat16)
     args[1] = args[1].at[:, 0].set(jnp.arange(32, dtype=jnp.int32) % 2 * 255 + 254)  # ids 254, 509: local 254, header 255
@@ -244,6 +249,24 @@ def test_bf16_header_at_the_limit_routes_exactly():
     assert int(stats.kept) == int(stats.valid)
     f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
     assert_close(y, routed_reference(*f32), BF16_RTOL, "bf16 y vs fp32 reference")
+
+
+def test_bf16_header_beyond_one_digit_routes_exactly():
+    # E_loc = 300 (> 255: two header digits), e.g. the d1024 rung's 384 experts on one device. Ids above 256
+    # would round in a one-digit bf16 header (257 -> 256, 299 -> 300) and reach the wrong expert's weights.
+    mesh = make_mesh(2, 1)
+    args = make_inputs(n_tok=32, n_exp=600, width=Z, hidden=4, dtype=jnp.bfloat16)
+    args[1] = args[1].at[:, 0].set(jnp.arange(32, dtype=jnp.int32) % 2 * 43 + 256 + (jnp.arange(32) >= 16) * 300)
+    sizes = transport_sizes(16, K, 2, 300, 3, NO_DROP_CF, 1e4, Z, 2)
+    assert sizes.header_digits == 2
+    (_, (y, stats, status)), grads = _loss_and_grads(
+        lambda *a: routed_expert_parallel_debug(*a, mesh=mesh, cf_send=NO_DROP_CF, cf_recv=1e4))(*shard(mesh, args))
+    assert int(stats.kept) == int(stats.valid)
+    f32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args]
+    (_, (y_ref,)), grads_ref = _loss_and_grads(lambda *a: (routed_reference(*a),))(*f32)
+    assert_close(y, y_ref, BF16_RTOL, "bf16 y vs fp32 reference")
+    for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
+        assert_close(g, g_ref, BF16_RTOL, f"d{name} vs fp32 reference")
 
 
 def test_transport_sizes_hero():

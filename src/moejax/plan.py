@@ -129,7 +129,7 @@ def transport_numbers(cfg: RunConfig, tokens_per_device: int) -> dict | None:
     lat, full = transport_sizes(*args, m.latent_width, dt), transport_sizes(*args, m.d_model, dt)
     per_layer = 2 * p.waves * lat.bytes_per_wave  # dispatch + return, every wave (forward)
     return {"local_experts": e_loc, "assignments": lat.assignments, "P": lat.send_pool, "R": lat.recv_capacity,
-            "header_rows": lat.header_rows, "rows_per_wave": lat.rows_per_wave,
+            "header_rows": lat.header_rows, "header_digits": lat.header_digits, "rows_per_wave": lat.rows_per_wave,
             "bytes_per_wave": lat.bytes_per_wave, "bytes_per_wave_full_width": full.bytes_per_wave,
             "bytes_per_layer_fwd": per_layer,
             # forward + block-remat re-forward + backward (the transposed all_to_alls)
@@ -275,7 +275,8 @@ def format_plan(r: dict) -> str:
                   f"  A = {r['tokens_per_device']:,} x K = {tr['assignments']:,} assignments; E_loc = "
                   f"{tr['local_experts']}; W = {tr['waves']}",
                   f"  P = ceil(cf_send*A/(X*W)) = {tr['P']:,} rows; R = ceil(cf_recv*A/(E_loc*W)) = {tr['R']:,} rows; "
-                  f"header M = ceil(P/latent) = {tr['header_rows']}",
+                  f"header M = ceil(D*P/latent) = {tr['header_rows']} (D = {tr['header_digits']} base-256 digits "
+                  f"per expert id)",
                   f"  rows per wave S*(M+P) = {tr['rows_per_wave']:,}; bytes per wave {g(tr['bytes_per_wave'])} at "
                   f"latent width ({g(tr['bytes_per_wave_full_width'])} at full width d)",
                   f"  per layer fwd 2 x W x wave = {g(tr['bytes_per_layer_fwd'])}; per step (fwd + remat + bwd) "

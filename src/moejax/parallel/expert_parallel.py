@@ -2,8 +2,8 @@
 
 Dimensions (the package legend, `moejax/__init__.py`): T tokens (local to a shard inside `shard_map`),
 K choices, A = T*K assignments, Z latent width, F expert width, E experts, X shards on the `expert` axis,
-E_loc = E/X local experts, W waves, P sender pool rows per destination per wave, M = ceil(P/Z) header
-rows, Y = M + P rows of one destination's block, R receiver capacity per local expert per wave,
+E_loc = E/X local experts, W waves, P sender pool rows per destination per wave, D header digits per slot,
+M = ceil(D*P/Z) header rows, Y = M + P rows of one destination's block, R receiver capacity per local expert per wave,
 ER = E_loc*R expert slots, N = W*X*P send rows (X*P per wave).
 
 Per shard (one `shard_map` over the whole mesh; all_to_all over `expert` only, so every (replica_dcn,
@@ -12,7 +12,9 @@ data) group runs its own exchange):
    choice order; wave = rank % W, slot = rank // W (round-robin striping); slot >= P is a sender drop.
    Send rows are *gathered* from the tokens through the plan (no scatter).
 2. Each destination's block is [M + P, Z]: M header rows carry slot -> local expert + 1 (0 = empty) in the
-   activation dtype, so ids ride in the same all_to_all as the payload (no metadata collective).
+   activation dtype, so ids ride in the same all_to_all as the payload (no metadata collective). Each id is
+   D base-256 digits, every one an integer bf16 holds exactly (`header_digits`: D = 1 up to 255 local
+   experts, as on the hero's 6; D = 2 beyond, e.g. the d1024 rung's 384 experts on one GPU).
 3. Receiver: decode ids, rank rows per local expert in interleaved order (slot p of every source before
    slot p+1 of any) so overflow is spread evenly over senders; inside a slot the source order starts at
    (slot + wave + receiving shard) % X, so ties at the cut-off do not always go against the same
@@ -27,7 +29,9 @@ Notable choices:
 - Backward has no scatter: every movement is a gather with a known inverse (`transport_ops`).
 - P is capped at ceil(A/W) and R at X*P (more rows than can ever arrive); the caps change no result, only
   buffer sizes, and never bind at production capacity factors (hero: P = 3,141, R = 33,497).
-- The header dtype must represent E_loc + 1 exactly (bf16: 256, SPEC §6); violations raise ValueError.
+- SPEC §3 asks to refuse a header bf16 can't hold exactly, or to encode it safely: digits encode it safely,
+  so no expert count is refused. The return block's header carries its kept flags with the same D digits, so
+  both directions move blocks of one shape.
 """
 
 from __future__ import annotations
@@ -62,10 +66,24 @@ class TransportSizes:
     assignments: int  # A = tokens per shard * K
     send_pool: int  # P, rows per destination per wave
     recv_capacity: int  # R, rows per local expert per wave
-    header_rows: int  # M = ceil(P / Z)
+    header_rows: int  # M = ceil(D * P / Z)
     rows_per_wave: int  # X * (M + P) = X * Y, rows one shard sends (and receives) per wave and direction
     bytes_per_wave: int  # rows_per_wave * Z * dtype bytes, one direction
     expert_rows_per_wave: int  # E_loc * R, rows through the expert MLPs per wave
+    header_digits: int  # D, base-HEADER_BASE digits per header value (`header_digits`)
+
+
+# Header values are written in digits of this base: every integer up to 256 is exact in bf16 (8 significand
+# bits), the narrowest activation dtype, and wider ones hold more; digits are 0 .. 255.
+HEADER_BASE = 256
+
+
+def header_digits(local_experts: int) -> int:
+    """D, the base-256 digits a header value needs: values run to E_loc (local expert + 1; 0 = empty)."""
+    digits = 1
+    while HEADER_BASE ** digits <= local_experts:
+        digits += 1
+    return digits
 
 
 def transport_sizes(tokens_per_device: int, top_k: int, n_shards: int, local_experts: int, waves: int,
@@ -74,31 +92,26 @@ def transport_sizes(tokens_per_device: int, top_k: int, n_shards: int, local_exp
     a = tokens_per_device * top_k
     p = min(_ceil(cf_send * a / (n_shards * waves)), -(-a // waves))
     r = min(_ceil(cf_recv * a / (local_experts * waves)), n_shards * p)
-    m = -(-p // latent_width)
+    d = header_digits(local_experts)
+    m = -(-d * p // latent_width)
     rows = n_shards * (m + p)
-    return TransportSizes(a, p, r, m, rows, rows * latent_width * dtype_bytes, local_experts * r)
-
-
-def check_header_dtype(local_experts: int, dtype) -> None:
-    """Expert ids travel as local expert + 1 in the activation dtype: it must hold them exactly."""
-    dtype = jnp.dtype(dtype)
-    limit = 2 ** (jnp.finfo(dtype).nmant + 1)
-    if local_experts + 1 > limit:
-        raise ValueError(f"local experts per shard ({local_experts}) + 1 exceeds {limit}, the largest integer "
-                         f"{dtype.name} holds exactly: expert ids in the transport header would be corrupted; "
-                         f"use more expert shards or a wider activation dtype")
+    return TransportSizes(a, p, r, m, rows, rows * latent_width * dtype_bytes, local_experts * r, d)
 
 
 # ---- header rows -----------------------------------------------------------------------------------
-def _encode_header(values_XP: Int[Array, "X P"], header_rows: int, width: int, dtype) -> Array:
-    n_src, pool = values_XP.shape
-    padded = jnp.pad(values_XP, ((0, 0), (0, header_rows * width - pool)))
-    return padded.astype(dtype).reshape(n_src, header_rows, width)
+def _encode_header(values_XP: Int[Array, "X P"], sizes: TransportSizes, width: int, dtype) -> Array:
+    """[X, M, Z] header rows: each value as D base-256 digits, least significant first, then zero padding."""
+    n_src, m = values_XP.shape[0], sizes.header_rows
+    digits_XPD = jnp.stack([values_XP // HEADER_BASE ** i % HEADER_BASE for i in range(sizes.header_digits)], -1)
+    flat = digits_XPD.reshape(n_src, -1)
+    return jnp.pad(flat, ((0, 0), (0, m * width - flat.shape[1]))).astype(dtype).reshape(n_src, m, width)
 
 
-def _decode_header(header_XMZ: Array, pool: int) -> Int[Array, "X P"]:
-    flat = header_XMZ.reshape(header_XMZ.shape[0], -1)[:, :pool]
-    return jnp.round(flat.astype(jnp.float32)).astype(jnp.int32)
+def _decode_header(header_XMZ: Array, sizes: TransportSizes) -> Int[Array, "X P"]:
+    pool, n_digits = sizes.send_pool, sizes.header_digits
+    flat = header_XMZ.reshape(header_XMZ.shape[0], -1)[:, :pool * n_digits]
+    digits_XPD = jnp.round(flat.astype(jnp.float32)).astype(jnp.int32).reshape(-1, pool, n_digits)
+    return sum(digits_XPD[..., i] * HEADER_BASE ** i for i in range(n_digits))
 
 
 # ---- plans (integer bookkeeping, no gradients) -----------------------------------------------------
@@ -174,11 +187,11 @@ def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSi
     n_shards, pool, width = send_XPZ.shape
     local_experts, m, cap = w_gate_EZF.shape[0], sizes.header_rows, sizes.recv_capacity
     dtype = send_XPZ.dtype
-    block_XYZ = jnp.concatenate([_encode_header(ids_XP, m, width, dtype), send_XPZ], axis=1)
+    block_XYZ = jnp.concatenate([_encode_header(ids_XP, sizes, width, dtype), send_XPZ], axis=1)
     # Before: block s is bound for shard s (sharded by source). After: block s came from shard s.
     recv_XYZ = checkpoint_name(jax.lax.all_to_all(block_XYZ, EXPERT_AXIS, 0, 0, tiled=True), SAVE_DISPATCH)
     rotation = (jax.lax.axis_index(EXPERT_AXIS) + wave) % n_shards
-    plan = materialized(_receiver_plan(_decode_header(recv_XYZ[:, :m], pool), local_experts, cap, rotation))
+    plan = materialized(_receiver_plan(_decode_header(recv_XYZ[:, :m], sizes), local_experts, cap, rotation))
     payload_NZ = recv_XYZ[:, m:].reshape(n_shards * pool, width)
     x_ERZ = gather_rows(payload_NZ, plan.slot_row_ER, plan.slot_valid_ER, plan.row_slot_N[:, None],
                        plan.row_kept_N[:, None])
@@ -188,11 +201,11 @@ def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSi
     ret_NZ = gather_rows(y_ERZ.reshape(-1, width).astype(dtype), plan.row_slot_N, plan.row_kept_N,
                          plan.slot_row_ER[:, None], plan.slot_valid_ER[:, None])
     kept_XP = plan.row_kept_N.reshape(n_shards, pool).astype(jnp.int32)
-    back_XYZ = jnp.concatenate([_encode_header(kept_XP, m, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
+    back_XYZ = jnp.concatenate([_encode_header(kept_XP, sizes, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
                                axis=1)
     # Before: block s holds rows that came from shard s. After: block s holds my rows processed by shard s.
     back_XYZ = checkpoint_name(jax.lax.all_to_all(back_XYZ, EXPERT_AXIS, 0, 0, tiled=True), SAVE_RETURN)
-    return back_XYZ[:, m:], _decode_header(back_XYZ[:, :m], pool) > 0, plan.dropped
+    return back_XYZ[:, m:], _decode_header(back_XYZ[:, :m], sizes) > 0, plan.dropped
 
 
 def _shard_body(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *, sizes: TransportSizes,
@@ -229,7 +242,6 @@ def _layout(mesh: jax.sharding.Mesh, z_TZ, expert_TK, w_gate_EZF) -> tuple[int, 
         raise ValueError(f"experts ({n_experts}) are not divisible by the expert axis ({n_shards})")
     if expert_TK.shape[0] != z_TZ.shape[0]:
         raise ValueError(f"expert_TK has {expert_TK.shape[0]} tokens, z_TZ has {z_TZ.shape[0]}")
-    check_header_dtype(n_experts // n_shards, z_TZ.dtype)
     return z_TZ.shape[0] // n_batch, n_shards, n_experts // n_shards
 
 
