@@ -193,6 +193,20 @@ def test_fp32_dots_at_their_own_rate():
         assert roofline.estimate(text, **slow_bytes, f32_dot_peak=0.5e9)["seconds"] == pytest.approx(factor * base)
 
 
+def test_full_precision_fp32_dots_at_the_fma_rate():
+    """A dot at operand precision HIGHEST keeps a GPU to its fp32 FMA units (no TF32): costed at
+    `f32_fma_peak`; the default-precision fp32 dot beside it stays at the TF32 rate."""
+    a, b = jnp.ones((256, 256)), jnp.ones((256, 256))
+    highest = _compiled(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST), a, b).as_text()
+    default = _compiled(lambda a, b: jnp.dot(a, b, precision=jax.lax.Precision.DEFAULT), a, b).as_text()
+    rates = dict(peak_flops=1e9, bandwidth=1e15, f32_dot_peak=0.5e9)  # compute-bound
+    for text, seconds in ((highest, 2 * 256 ** 3 / 0.05e9), (default, 2 * 256 ** 3 / 0.5e9)):
+        assert roofline.estimate(text, **rates, f32_fma_peak=0.05e9)["seconds"] == pytest.approx(seconds, rel=0.01)
+    gemm = CUBLAS_HLO.replace('"epilogue"', '"precision_config":{"operand_precision":["HIGHEST","HIGHEST"]},"epilogue"')
+    r = roofline.estimate(gemm, peak_flops=1e12, bandwidth=1e14, f32_dot_peak=0.5e12, f32_fma_peak=0.05e12)
+    assert r["seconds"] == pytest.approx(2 * 4 * 256 * 1024 * 512 / 1e12 + 2 * 512 * 384 * 96 / 0.05e12)
+
+
 # XLA:GPU's library GEMMs as jax 0.11 compiles them for an H200 (`--xla_gpu_enable_triton_gemm=false` on a
 # deviceless compile gives the same text): the dot's dimension numbers sit in the call's backend_config, and
 # the result is (product, 4 MiB workspace). Trimmed to the fields the roofline reads.

@@ -44,6 +44,11 @@ GPU_PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA GB200": 2.5e1
 # at half the bf16 rate: the datasheets' dense TF32 figures. The step has a few (the LM head's backward, fp32
 # by SPEC §6's loss precision; the router's).
 GPU_F32_DOT_FRACTION = 0.5
+# With operand precision HIGHEST (full fp32, as SPEC §2's router logits were computed) XLA keeps to the fp32 FMA
+# units, no TF32: the datasheets' dense FP32 rate (H100/H200 67 TFLOP/s, GB200 80) over their bf16 peak. The
+# H200 measured the d1024 rung's router GEMMs at ~45 TFLOP/s (docs/LOG.md 2026-12-04, twenty-first session).
+GPU_F32_FMA_FRACTION = {"NVIDIA H200": 67 / 989, "NVIDIA H100": 67 / 989, "NVIDIA GB200": 80 / 2500}
+_HIGHEST = re.compile(r"operand_precision\W*highest", re.IGNORECASE)  # a fused dot's attribute, a GEMM's config
 GPU_LAUNCH_S = 3e-6  # per kernel; CUDA graphs can hide some of it
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -208,10 +213,12 @@ class Cost:
 
 class _Walker:
     def __init__(self, comps: dict[str, list[Instr]], peak: float, bw: float, launch: float, count_trips: bool,
-                 f32_peak: float | None = None, frames: dict[str, list[str]] | None = None):
+                 f32_peak: float | None = None, frames: dict[str, list[str]] | None = None,
+                 f32_fma_peak: float | None = None):
         self.comps, self.peak, self.bw, self.launch, self.count_trips = comps, peak, bw, launch, count_trips
         self.frames = frames  # by_source: each instruction's source frames
         self.f32_peak = f32_peak or peak
+        self.f32_fma_peak = f32_fma_peak or self.f32_peak
         self.shapes = {i.name: i.type for c in comps.values() for i in c}
 
     def computation(self, name: str) -> Cost:
@@ -240,18 +247,21 @@ class _Walker:
             cost.merge(self.computation(ins.called("to_apply")[0]))
             return
         flops, moved = self.kernel(ins, cost)
-        peak = self.f32_peak if self.f32_peak != self.peak and self._f32_dots(ins) else self.peak
-        cost.add(self.label(ins), flops, moved, peak, self.bw, self.launch)
+        cost.add(self.label(ins), flops, moved, self._dot_peak(ins), self.bw, self.launch)
 
-    def _f32_dots(self, ins: Instr) -> bool:
-        """Whether this kernel's dot (or the dot of its fused body) multiplies fp32 operands."""
+    def _dot_peak(self, ins: Instr) -> float:
+        """The rate of this kernel's dot (or of its fused body's): fp32 operands at full precision at the FMA
+        rate, other fp32 ones at the TF32 rate, the rest (and kernels without a dot) at the peak."""
         if ins.op == "dot" or (ins.op == "custom-call" and library_gemm(ins)):
             dots = [ins]
         elif ins.op in _FUSIONS:
             dots = [i for i in self.comps[ins.called("calls")[0]] if i.op == "dot"]
         else:
-            return False
-        return any(self.shapes.get(d.operands[0], "").startswith("f32[") for d in dots)
+            return self.peak
+        f32 = [d for d in dots if self.shapes.get(d.operands[0], "").startswith("f32[")]
+        if not f32:
+            return self.peak
+        return self.f32_fma_peak if any(_HIGHEST.search(d.attrs) for d in f32) else self.f32_peak
 
     def kernel(self, ins: Instr, cost: Cost) -> tuple[float, float]:
         operand_types = [self.shapes.get(o, "") for o in ins.operands]
@@ -384,18 +394,22 @@ def source_frames(hlo: str, skip_files: tuple[str, ...] = ()) -> tuple[dict[str,
 
 
 def estimate(hlo_text: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0,
-             count_trips: bool = True, f32_dot_peak: float | None = None, by_source: bool = False) -> dict:
+             count_trips: bool = True, f32_dot_peak: float | None = None, by_source: bool = False,
+             f32_fma_peak: float | None = None) -> dict:
     """The roofline estimate of one run of the compiled program `hlo_text` (its `as_text()`) on a device of
     `peak_flops` FLOP/s and `bandwidth` bytes/s, `launch_s` seconds per kernel: seconds, FLOPs, bytes,
     kernels, the time of compute-bound and memory-bound kernels, per part of a train step and per label
     (kernel name, or op kind and the jax op it came from) [seconds, FLOPs, bytes, count], largest first.
     `count_trips` False: every loop body once, as XLA's own cost analysis counts (to compare with it).
     `f32_dot_peak`: the rate of dots with fp32 operands, if not `peak_flops` (a GPU's TF32 rate beside its bf16
-    peak: `GPU_F32_DOT_FRACTION`); Pallas kernels are taken at `peak_flops`. `by_source`: label the other
-    kernels by the innermost Python source line that emitted them (`source_frames`), not by jax op."""
+    peak: `GPU_F32_DOT_FRACTION`); `f32_fma_peak`: that of fp32 dots at operand precision HIGHEST, if not
+    `f32_dot_peak` (a GPU's fp32 FMA rate: `GPU_F32_FMA_FRACTION`); Pallas kernels are taken at `peak_flops`.
+    `by_source`: label the other kernels by the innermost Python source line that emitted them
+    (`source_frames`), not by jax op."""
     comps, entry = parse(hlo_text)
     frames = source_frames(hlo_text)[0] if by_source else None
-    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips, f32_dot_peak, frames).computation(entry)
+    cost = _Walker(comps, peak_flops, bandwidth, launch_s, count_trips, f32_dot_peak, frames,
+                   f32_fma_peak).computation(entry)
     top = sorted(cost.items.items(), key=lambda kv: -kv[1][0])
     phases: dict[str, list[float]] = {}
     for label, row in top:
