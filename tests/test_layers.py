@@ -11,7 +11,7 @@ import numpy as np
 from moejax.model import kernel_choice
 from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, rms_normalize, scale_channels, sconv,
                                  shared_swiglu, swiglu, swiglu_act)
-from moejax.model.moe.router import route
+from moejax.model.moe.router import logits_split_bf16, route, router_logits
 from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, chunked_lse, head_chunk, lm_loss, lse_reference
 from moejax.presets import TINY
 from moejax.train.optimizer import make_optimizer
@@ -422,3 +422,42 @@ def test_train_step_runs_the_lm_head_in_vocab_chunks_on_cpu_only(monkeypatch):
     on_cpu, on_gpu = (_step_jaxpr(monkeypatch, targeting_gpu=g) for g in (False, True))
     assert f"f32[{tokens},{CPU_HEAD_CHUNK}]" in on_cpu and f"f32[{tokens},{vocab}]" not in on_cpu
     assert f"f32[{tokens},{CPU_HEAD_CHUNK}]" not in on_gpu and f"f32[{tokens},{vocab}]" in on_gpu
+
+
+# The split router logits: every product exact, fp32 sums in another order than the one fp32 matmul's.
+SPLIT_LOGITS_RTOL = 1e-6  # max |a - b| / max |b| against float64, as the fp32 matmul itself reaches
+BF16_ROUNDING = 2.0 ** -8  # dm comes back in bf16 (m's dtype), as the fp32 path's does
+
+
+def _max_rel(a, ref):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return np.abs(a - ref).max() / np.abs(ref).max()
+
+
+def test_router_logits_from_bf16_parts_equal_the_fp32_matmul_in_value_and_gradients():
+    """`logits_split_bf16` (the GPU's router matmul, bf16 parts on tensor cores) against float64: logits and
+    the weight gradient to fp32 accuracy, for weights that aren't bf16 values (3 parts hold them exactly); the
+    activation gradient to its bf16 rounding. The fp32 matmul (the CPU's path) is held to the same bounds."""
+    rng = np.random.default_rng(11)
+    m = jnp.asarray(rng.normal(size=(64, 96)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(96, 24)) * np.exp(rng.normal(size=(96, 24))), jnp.float32)
+    g = jnp.asarray(rng.normal(size=(64, 24)), jnp.float32)
+    m64, w64, g64 = (np.asarray(x, np.float64) for x in (m, w, g))
+    ref = (m64 @ w64, g64 @ w64.T, m64.T @ g64)  # logits, dm, dW
+    fp32 = lambda m, w: jnp.einsum("td,de->te", m.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+    for fn in (logits_split_bf16, fp32):
+        logits, vjp = jax.vjp(jax.jit(fn), m, w)
+        dm, dw = vjp(g)
+        assert dm.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+        assert _max_rel(logits, ref[0]) <= SPLIT_LOGITS_RTOL
+        assert _max_rel(dw, ref[2]) <= SPLIT_LOGITS_RTOL
+        assert _max_rel(dm, ref[1]) <= BF16_ROUNDING
+
+
+def test_router_logits_split_only_when_lowering_bf16_for_a_gpu():
+    m16, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 4), jnp.float32)
+    jaxpr = lambda m: str(jax.make_jaxpr(lambda m, w: router_logits(m, w))(m, w))  # a new function: no cached trace
+    assert "reduce_precision" not in jaxpr(m16)  # CPU: one fp32 matmul
+    with kernel_choice.targeting_gpu():
+        assert "reduce_precision" in jaxpr(m16)
+        assert "reduce_precision" not in jaxpr(m16.astype(jnp.float32))  # fp32 activations: nothing to split
