@@ -14,7 +14,8 @@
 #   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (49 GB):
 #            the local path, the local path with the rows in the kernels (the A/B that decides
 #            MOEJAX_GROUPED_ROWS's default), then the capacity path;
-#   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile;
+#   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile (d1024's capacity
+#            path runs since the twenty-third session: two-digit expert ids in the transport header);
 #   ab       bench_gpu.py --paths local,local-rows on G in the default layout (scanned, remat).
 # A crash or hang (a Triton compile, an OOM) costs only its part. Output: the console, and one log per part
 # under $OUT (the device tool's folder) or ./bench_out.

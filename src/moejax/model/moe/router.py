@@ -46,6 +46,13 @@ def _sum_parts(y: Float[Array, "... nE"], n: int) -> Float[Array, "... E"]:
     return functools.reduce(lambda acc, b: acc + b, blocks[::-1])
 
 
+def _side_by_side(parts: list[Array]) -> Array:
+    """The parts concatenated on their last axis, as an array in memory: fused into the GEMM, the concatenate
+    made XLA's deviceless GB200 compile of the hero's step pick a Triton tiling over its shared memory (295,152
+    of 232,448 bytes) and fail."""
+    return jax.lax.optimization_barrier(jnp.concatenate(parts, axis=-1))
+
+
 def _dot_f32(a, b):
     return jnp.einsum("td,de->te", a, b, preferred_element_type=jnp.float32)
 
@@ -53,12 +60,12 @@ def _dot_f32(a, b):
 @jax.custom_vjp
 def logits_split_bf16(m_TD: Float[Array, "T D"], router_DE: Float[Array, "D E"]) -> Float[Array, "T E"]:
     """fp32 router logits m W (SPEC §2) from bf16 matmuls with fp32 accumulation: the GPU's tensor cores
-    instead of its fp32 FMA units, which ran the d1024 rung's router GEMMs at ~60 TFLOP/s (14 ms of a 525 ms
-    H200 step, docs/LOG.md 2026-12-04). m_TD must be bf16 (the compute dtype); W any fp32, as 3 exact bf16
+    instead of its fp32 FMA units, which ran the d1024 rung's router GEMMs at ~45 TFLOP/s (the forward and
+    its remat alone 13.8 ms of a 525 ms H200 step, docs/LOG.md 2026-12-04). m_TD must be bf16 (the compute dtype); W any fp32, as 3 exact bf16
     parts side by side in one [D, 3E] matmul: every product exact, so the logits are the fp32 matmul's up to
     the order of the fp32 sums. Backward: dW = m^T dlogits from dlogits' 3 exact parts (fp32 grade, as
     before); dm from the two leading parts of each (relative error ~2^-16, then rounded to bf16 anyway)."""
-    return _sum_parts(_dot_f32(m_TD, jnp.concatenate(_bf16_parts(router_DE, 3), axis=-1)), 3)
+    return _sum_parts(_dot_f32(m_TD, _side_by_side(_bf16_parts(router_DE, 3))), 3)
 
 
 def _logits_split_fwd(m_TD, router_DE):
@@ -69,9 +76,9 @@ def _logits_split_bwd(res, g_TE):
     m_TD, router_DE = res
     g1, g2, g3 = _bf16_parts(g_TE, 3)
     w1, w2 = _bf16_parts(router_DE, 2)
-    dw_DE = _sum_parts(jnp.einsum("td,te->de", m_TD, jnp.concatenate([g1, g2, g3], axis=-1),
-                                  preferred_element_type=jnp.float32), 3)
-    dm_TD = jnp.einsum("te,de->td", jnp.concatenate([g1, g1, g2], axis=-1), jnp.concatenate([w1, w2, w1], axis=-1),
+    dw_DE = _sum_parts(jnp.einsum("td,te->de", m_TD, _side_by_side([g1, g2, g3]), preferred_element_type=jnp.float32),
+                       3)
+    dm_TD = jnp.einsum("te,de->td", _side_by_side([g1, g1, g2]), _side_by_side([w1, w2, w1]),
                        preferred_element_type=jnp.float32)
     return dm_TD.astype(m_TD.dtype), dw_DE.astype(router_DE.dtype)
 
