@@ -8,7 +8,8 @@ checks the same kernels through the Pallas interpreter on CPU; this checks what 
 - flash attention: the kernel vs the dense fp32 core, values and q/k/v gradients; local (window) and
   global (GQA on 1 KV head) layers, packed documents, bf16 and fp32; and keys extended in front (context
   parallelism: 256 earlier keys, -1 padding on one row).
-- the optimizer's Newton-Schulz kernel (`train.ns_gpu.matmul_add`): both polynomial GEMMs + adds vs fp32.
+- the optimizer's Newton-Schulz kernels (`train.ns_gpu`): the Gram X X^T and both polynomial GEMMs + adds vs
+  fp32.
 The error is the relative Frobenius norm ||got - ref|| / ||ref||. Tolerances: four unit roundings of the
 precision the kernels' dots run at — bf16 (2^-8 each: the CPU tests' RTOL_BF16_NORM) and, for fp32 inputs,
 TF32 (2^-11 each: Triton's fp32 dots use TF32, as XLA's default-precision fp32 matmuls on this GPU do).
@@ -111,7 +112,7 @@ def check_flash(seq: int, heads: int, kv_heads: int, head_dim: int, window: int 
 
 
 def check_ns(n: int, width: int) -> dict:
-    """The optimizer's Newton-Schulz kernel, c G G + b G and B X + a X on a bf16 stack, vs fp32."""
+    """The optimizer's Newton-Schulz kernels, X X^T, c G G + b G and B X + a X on a bf16 stack, vs fp32."""
     from moejax.train import ns_gpu
     from moejax.train.optimizer import NS_COEFFS
 
@@ -119,14 +120,18 @@ def check_ns(n: int, width: int) -> dict:
     kx, kb = jax.random.split(jax.random.key(3))
     x = (jax.random.normal(kx, (n, width, width)) / width ** 0.5).astype(jnp.bfloat16)
     g = jnp.einsum("nik,njk->nij", x, x)
+    g = jnp.triu(g) + jnp.swapaxes(jnp.triu(g, 1), 1, 2)  # exactly symmetric, as gram_add's G^T reads G's rows
     interp = run_interpreted()
-    got = [jax.jit(lambda g: ns_gpu.matmul_add(g, g, g, c, b, interpret=interp))(g),
+    got = [jax.jit(lambda x: ns_gpu.gram_add(x, None, 1.0, 0.0, interpret=interp))(x),
+           jax.jit(lambda g: ns_gpu.gram_add(g, g, c, b, interpret=interp))(g),
            jax.jit(lambda m, x: ns_gpu.matmul_add(m, x, x, 1.0, a, interpret=interp))(g, x)]
     f32 = lambda t: t.astype(jnp.float32)
-    ref = [c * jnp.einsum("nij,njk->nik", f32(g), f32(g), precision=HP) + b * f32(g),
+    ref = [jnp.einsum("nik,njk->nij", f32(x), f32(x), precision=HP),
+           c * jnp.einsum("nij,njk->nik", f32(g), f32(g), precision=HP) + b * f32(g),
            jnp.einsum("nij,njk->nik", f32(g), f32(x), precision=HP) + a * f32(x)]
-    return {"what": f"Newton-Schulz matmul_add, {n} x {width} x {width}, bfloat16",
-            "errors": {"c G G + b G": rel_err(got[0], ref[0]), "B X + a X": rel_err(got[1], ref[1])},
+    return {"what": f"Newton-Schulz kernels, {n} x {width} x {width}, bfloat16",
+            "errors": {"X X^T": rel_err(got[0], ref[0]), "c G G + b G": rel_err(got[1], ref[1]),
+                       "B X + a X": rel_err(got[2], ref[2])},
             "tol": TOLERANCE["bfloat16"]}
 
 

@@ -31,6 +31,23 @@ def test_matmul_add_equals_fp32_reference_rounded_once():
     np.testing.assert_allclose(f32(out), ref, rtol=BF16_ONE_ROUNDING, atol=BF16_ONE_ROUNDING * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("with_add", [False, True])
+def test_gram_add_equals_fp32_reference_rounded_once_and_is_exactly_symmetric(with_add):
+    """alpha a a^T (+ beta c) from the upper tiles only (3 x 3 tiles of 16 at M = 48), the lower ones their
+    transposes: the fp32 reference rounded once, and bitwise symmetric."""
+    kx, kc = jax.random.split(jax.random.key(4))
+    a = jax.random.normal(kx, (3, 48, 80), jnp.float32).astype(jnp.bfloat16)
+    c = jax.random.normal(kc, (3, 48, 48), jnp.float32)
+    c = ((c + jnp.swapaxes(c, 1, 2)) / 2).astype(jnp.bfloat16) if with_add else None
+    alpha, beta = (-4.775, 2.0315) if with_add else (1.0, 0.0)
+    out = jax.jit(lambda a, c: ns_gpu.gram_add(a, c, alpha, beta, SMALL, interpret=True))(a, c)
+    f32 = lambda t: np.asarray(t, np.float32)
+    ref = alpha * np.einsum("nik,njk->nij", f32(a), f32(a)) + (beta * f32(c) if with_add else 0.0)
+    assert out.dtype == jnp.bfloat16 and out.shape == (3, 48, 48)
+    np.testing.assert_allclose(f32(out), ref, rtol=BF16_ONE_ROUNDING, atol=BF16_ONE_ROUNDING * np.abs(ref).max())
+    np.testing.assert_array_equal(f32(out), np.swapaxes(f32(out), 1, 2))
+
+
 def test_shapes_the_kernel_cannot_take_are_an_error():
     assert ns_gpu.shape_problem(512, 512, 512) is None and ns_gpu.shape_problem(96, 96, 3072) is None
     assert "width 24" in ns_gpu.shape_problem(24, 24, 64)
@@ -39,6 +56,11 @@ def test_shapes_the_kernel_cannot_take_are_an_error():
         ns_gpu.matmul_add(x, x, x, 1.0, 1.0, interpret=True)
     with pytest.raises(ValueError, match="don't match"):
         ns_gpu.matmul_add(x, x[:, :16], x, 1.0, 1.0, interpret=True)
+    with pytest.raises(ValueError, match="width 24 has no tile"):
+        ns_gpu.gram_add(x, None, 1.0, 0.0, interpret=True)
+    y = jnp.zeros((2, 32, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"can't be added to the Gram of bfloat16\[2, 32, 64\]"):
+        ns_gpu.gram_add(y, y, 1.0, 1.0, interpret=True)
 
 
 def _newton_schulz_fp32(x):

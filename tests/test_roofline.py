@@ -165,6 +165,10 @@ def test_pallas_grouped_gemm_flops():
                                  gu) == 2 * 1280 * 512 * 256
     a, b = "bf16[6,64,64]{2,1,0}", "bf16[6,64,256]{2,1,0}"
     assert roofline.pallas_flops("moejax_ns_matmul_add", [a, b, b], b) == 2 * 6 * 64 * 64 * 256
+    # the symmetric Gram: 10 of the 4 x 4 tiles of a [512, 512] result (128-row tiles), each over K = 1024
+    x, g = "bf16[6,512,1024]{2,1,0}", "bf16[6,512,512]{2,1,0}"
+    assert roofline.pallas_flops("moejax_ns_gram", [x], g) == 2 * 6 * 10 * 128 * 128 * 1024
+    assert roofline.pallas_flops("moejax_ns_gram", [g, g], g) == 2 * 6 * 10 * 128 * 128 * 512
     assert roofline.pallas_flops("some_other_kernel", [x], x) is None
 
 

@@ -232,8 +232,9 @@ def _kernel_cases():
     def newton_schulz_stack(shape):
         from moejax.train.optimizer import newton_schulz
 
-        # 5 steps x (c G G + b G, B X + a X): 10 calls of two compiled kernels (alpha, beta are constants)
-        return lambda x: newton_schulz(x, kernel={}), (sds(shape, jnp.float32),), 10
+        # 5 steps x (X X^T, c G G + b G, B X + a X): 15 calls of three compiled kernels (alpha, beta are
+        # constants)
+        return lambda x: newton_schulz(x, kernel={}), (sds(shape, jnp.float32),), 15
 
     bf16, f32 = jnp.bfloat16, jnp.float32
     return [

@@ -169,6 +169,12 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])
         n, m, k = ops[0]
         return 2.0 * n * m * k * ops[1][-1]
+    if kernel == "moejax_ns_gram":  # (a [N,M,K], c [N,M,M]?): the T(T+1)/2 upper tiles of T x T (`ns_gpu`)
+        from moejax.train.ns_gpu import gram_tile
+
+        n, m, k = ops[0]
+        t = m // gram_tile(m)
+        return 2.0 * n * (t * (t + 1) // 2) * gram_tile(m) ** 2 * k
     matmuls = {"moejax_flash_fwd": 2, "moejax_flash_dq": 3, "moejax_flash_dkv": 4}.get(kernel)
     if matmuls:  # q [B, S, H, D] is the first 4-d operand, k [B, Sk, G, D] the next; causal half
         q, k = [s for s in ops if len(s) == 4][:2]

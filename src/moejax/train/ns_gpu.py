@@ -1,5 +1,6 @@
 """Newton-Schulz's polynomial GEMMs for GPU with their adds fused: out[n] = alpha * (A[n] @ B[n]) + beta * C[n]
-for a stack of matrices, one Pallas (Triton) kernel.
+for a stack of matrices, one Pallas (Triton) kernel; and the symmetric ones, alpha * A[n] A[n]^T (+ beta C[n]),
+computed for the upper tiles only (`gram_add`).
 
 Dimensions: N matrices; M x K times K x P; bm x bp the output tile of one program, bk the contraction chunk.
 
@@ -10,6 +11,13 @@ Compiled for one H200, that is 27 add kernels a step at issue 11's shape G (~8 m
 is read once by the program that writes the output tile, and no [N, M, P] intermediate goes through memory.
 Numerics: fp32 accumulation and an fp32 epilogue, rounded once to the output dtype (XLA's path rounds A @ B
 to bf16 before the add: the kernel is the more exact of the two).
+
+Symmetric results (`gram_add`): each step's Gram G = X X^T and its c G G + b G (G G = G G^T, since G is
+symmetric) are symmetric, so only the tiles (i, j) with i <= j are computed, each stored at (i, j) and,
+transposed, at (j, i): T(T+1)/2 of the T^2 tiles of an [M, M] result (10 of 16 at M = 512 in 128-row tiles),
+and those two GEMMs are 2/3 of a square matrix's Newton-Schulz FLOPs (the d1024 rung's expert matrices; 57
+TFLOP a step at d1024, 26% of its roofline). The stored G is exactly symmetric, which c G G + b G relies on:
+it reads G's row blocks for G^T's column blocks.
 
 `interpret=True` runs the kernel through the Pallas interpreter (CPU tests). Tiles are untuned defaults (no
 GPU was at hand), the grouped GEMM's: a 128 x 128 fp32 accumulator on 8 warps. The matrix axis is the grid's
@@ -84,3 +92,61 @@ def matmul_add(a: Float[Array, "N M K"], b: Float[Array, "N K P"], c: Float[Arra
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret, name="moejax_ns_matmul_add",
     )(a, b, c)
+
+
+def gram_tile(m: int, tiles: NsTiles = NsTiles()) -> int:
+    """The square output tile `gram_add` takes for an [M, M] result (the roofline counts its tiles)."""
+    return tile(tiles.bm, m)
+
+
+def _gram_kernel(*refs, alpha: float, beta: float, bt: int, bk: int):
+    """Tile (i, j) of o = alpha * a a^T (+ beta * c) for i <= j, stored at (i, j) and, transposed, at (j, i);
+    programs below the diagonal do nothing. a [M, K] and o [M, M] whole, indexed here."""
+    a_ref, c_ref, o_ref = refs if len(refs) == 3 else (refs[0], None, refs[1])
+    i, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(i <= j)
+    def _():
+        rows_i, rows_j = pl.ds(i * bt, bt), pl.ds(j * bt, bt)
+
+        def body(k, acc):
+            ks = pl.ds(k * bk, bk)
+            return acc + dot(a_ref[rows_i, ks], a_ref[rows_j, ks], trans_b=True)
+
+        acc = lax.fori_loop(0, a_ref.shape[-1] // bk, body, jnp.zeros((bt, bt), jnp.float32))
+        out = alpha * acc
+        if c_ref is not None:
+            out = out + beta * c_ref[rows_i, rows_j].astype(jnp.float32)
+        out = out.astype(o_ref.dtype)
+        o_ref[rows_i, rows_j] = out
+
+        @pl.when(i < j)
+        def _():
+            o_ref[rows_j, rows_i] = out.T
+
+
+def gram_add(a: Float[Array, "N M K"], c: Float[Array, "N M M"] | None, alpha: float, beta: float,
+             tiles: NsTiles = NsTiles(), interpret: bool = False) -> Float[Array, "N M M"]:
+    """alpha * (a[n] @ a[n]^T) + beta * c[n] for every n (c None: no add), in a's dtype; c must be
+    symmetric. With a symmetric (a = a^T, e.g. a Gram from here) this is alpha * a a + beta * c."""
+    n, m, k = a.shape
+    if c is not None and (c.shape != (n, m, m) or c.dtype != a.dtype):
+        raise ValueError(f"Newton-Schulz Gram kernel: {c.dtype}{list(c.shape)} can't be added to the Gram of "
+                         f"{a.dtype}{list(a.shape)}")
+    problem = shape_problem(m, k, m, tiles)
+    if problem:
+        raise ValueError(f"Newton-Schulz kernel: {problem}")
+    bt, bk = gram_tile(m, tiles), tile(tiles.bk, k)
+    whole_of = lambda rows, cols: pl.BlockSpec((None, rows, cols), lambda i, j, s: (s, 0, 0))
+    operands, in_specs = (a,), [whole_of(m, k)]
+    if c is not None:
+        operands, in_specs = (a, c), in_specs + [whole_of(m, m)]
+    return pl.pallas_call(
+        functools.partial(_gram_kernel, alpha=float(alpha), beta=float(beta), bt=bt, bk=bk),
+        grid=(m // bt, m // bt, n),
+        in_specs=in_specs,
+        out_specs=whole_of(m, m),
+        out_shape=out_like(a, (n, m, m), a.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret, name="moejax_ns_gram",
+    )(*operands)

@@ -104,19 +104,19 @@ def newton_schulz(x: jax.Array, ns_steps: int = 5, kernel: dict | None = None) -
     Leading dims are stacks (one batch of matrices). Returns fp32. Singular values land roughly in
     [0.65, 1.15], not exactly 1 (the coefficients trade exactness for speed, Keller Jordan's Muon); singular
     values far below the largest (ill-conditioned inputs) grow by ~3.4x per step and may not reach that band.
-    Each step is G = X X^T, B = c G G + b G, X' = B X + a X; `kernel`: keyword arguments of
-    `ns_gpu.matmul_add`, which runs the last two with their adds fused (`_ns_kernel` says when), else XLA.
+    Each step is G = X X^T, B = c G G + b G, X' = B X + a X; `kernel`: keyword arguments of the `ns_gpu`
+    kernels (`_ns_kernel` says when), which run all three with their adds fused, the two symmetric ones on
+    their upper tiles only (`ns_gpu.gram_add`), else XLA.
     """
     if x.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix, got shape {x.shape}")
-    a, b, c = NS_COEFFS
     shape = x.shape
     if kernel is None:
-        matmul_add = _matmul_add_xla
-    else:  # the kernel takes one stack axis. The leading dims stay as they are for XLA: merging them would
+        ns_step = _ns_step_xla
+    else:  # the kernels take one stack axis. The leading dims stay as they are for XLA: merging them would
         # merge a sharded axis (experts) with others, and GSPMD would gather every expert stack to every
         # device (the hero's 8K step: 1.5 TB a device and 64 PFLOP of replicated Newton-Schulz, 2026-12-04).
-        matmul_add = functools.partial(ns_gpu.matmul_add, **kernel)
+        ns_step = functools.partial(_ns_step_kernels, **kernel)
         x = x.reshape(-1, *shape[-2:])
     x = x.astype(jnp.float32)
     x = (x / (_matrix_norm(x) + _NS_EPS)).astype(jnp.bfloat16)  # spectral norm <= 1 before iterating
@@ -124,11 +124,22 @@ def newton_schulz(x: jax.Array, ns_steps: int = 5, kernel: dict | None = None) -
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
     for _ in range(ns_steps):
-        gram = jnp.einsum("...ik,...jk->...ij", x, x)
-        x = matmul_add(matmul_add(gram, gram, gram, c, b), x, x, 1.0, a)
+        x = ns_step(x)
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
     return x.astype(jnp.float32).reshape(shape)
+
+
+def _ns_step_xla(x: jax.Array) -> jax.Array:
+    a, b, c = NS_COEFFS
+    gram = jnp.einsum("...ik,...jk->...ij", x, x)
+    return _matmul_add_xla(_matmul_add_xla(gram, gram, gram, c, b), x, x, 1.0, a)
+
+
+def _ns_step_kernels(x: jax.Array, **kernel) -> jax.Array:
+    a, b, c = NS_COEFFS
+    gram = ns_gpu.gram_add(x, None, 1.0, 0.0, **kernel)
+    return ns_gpu.matmul_add(ns_gpu.gram_add(gram, gram, c, b, **kernel), x, x, 1.0, a, **kernel)  # G G = G G^T
 
 
 def _matmul_add_xla(p: jax.Array, q: jax.Array, r: jax.Array, alpha: float, beta: float) -> jax.Array:
