@@ -14,7 +14,7 @@ from moejax.train.heuristic import optimizer_heuristic
 from moejax.config import apply_overrides
 from moejax.presets import preset
 from moejax.train.optimizer import (hero_optimizer, hyperball_delta, make_optimizer, newton_schulz, param_group,
-                                    param_labels, scale_by_hyperball)
+                                    param_labels, scale_by_hyperball, scale_by_newton_schulz)
 from moejax.train.schedule import warmup_linear_decay
 
 HEURISTIC_RTOL = 1e-3  # the brief's hero numbers are quoted to 2-3 significant digits
@@ -197,6 +197,20 @@ def test_hyperball_step_moves_by_lr_relative():
     delta, _ = tx.update(u, tx.init(w), w)
     np.testing.assert_allclose(np.linalg.norm(delta, axis=(-2, -1)), lr * np.linalg.norm(w, axis=(-2, -1)),
                                rtol=STEP_RTOL)
+
+
+def test_hyperball_leaves_a_matrix_without_direction_where_it_is():
+    """An expert no token reached has a zero gradient, so a zero MuonH direction: its step is zero and the
+    stack's other matrices move as alone (it once came out NaN and stopped a 512-expert run at step 1)."""
+    w = jax.random.normal(jax.random.key(6), (3, 8, 16))
+    u = jax.random.normal(jax.random.key(7), (3, 8, 16)).at[1].set(0.0)
+    delta = hyperball_delta(u, w, jnp.float32(0.05))
+    assert np.isfinite(np.asarray(delta)).all()
+    np.testing.assert_array_equal(delta[1], 0.0)
+    np.testing.assert_array_equal(delta[::2], hyperball_delta(u[::2], w[::2], jnp.float32(0.05)))
+    direction = scale_by_newton_schulz()
+    u_ns, _ = direction.update(u, direction.init(w))  # NS of the zero matrix stays zero
+    np.testing.assert_array_equal(u_ns[1], 0.0)
 
 
 def test_hyperball_renormalises_like_the_explicit_norm():

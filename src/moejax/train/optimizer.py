@@ -209,7 +209,9 @@ def hyperball_delta(u: jax.Array, w: jax.Array, lr: jax.Array) -> jax.Array:
     w32 = w.astype(jnp.float32)
     ww, uu, wu = _matrix_sum(jnp.square(w32)), _matrix_sum(jnp.square(u)), _matrix_sum(w32 * u)  # one pass
     w_norm = jnp.sqrt(ww)
-    step = lr * w_norm / jnp.maximum(jnp.sqrt(uu), _TINY)
+    # A matrix with no direction (an expert no token reached: zero gradient, zero momentum, so NS gives 0)
+    # stays put. Guarding ||u|| with _TINY alone made step ~1e29, step^2 inf and step^2 * ||u||^2 NaN.
+    step = jnp.where(uu > 0, lr * w_norm / jnp.sqrt(jnp.maximum(uu, _TINY)), 0.0)
     # ||w - step u||^2 expanded, so that no pass over the moved matrix is needed to renormalise it (on a GPU
     # that pass read the fp32 stack once more: 0.8 GB per expert stack at issue 11's shape G). No cancellation
     # at the relative steps used (step ||u|| = lr ||w||: the result is >= (1 - lr)^2 ||w||^2).
