@@ -200,10 +200,10 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
     # the same executable (jax's cache): its speed of light at this device's measured peak and bandwidth
     on_gpu = jax.default_backend() != "cpu"
     hlo = step.lower(state, batches[0]).compile().as_text()
-    fma = roofline.GPU_F32_FMA_FRACTION.get(jax.devices()[0].device_kind, roofline.GPU_F32_FMA_FRACTION["NVIDIA H200"])
     roof = roofline.estimate(hlo, peak, bandwidth, roofline.GPU_LAUNCH_S if on_gpu else 0.0,
                              f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION if on_gpu else None, by_source=True,
-                             f32_fma_peak=peak * fma if on_gpu else None)
+                             f32_fma_peak=roofline.gpu_f32_fma_peak(peak, jax.devices()[0].device_kind) if on_gpu
+                             else None)
     times = []
     for i in range(steps):
         t0 = time.perf_counter()

@@ -252,11 +252,12 @@ def test_bf16_header_at_the_limit_routes_exactly():
 
 
 def test_bf16_header_beyond_one_digit_routes_exactly():
-    # E_loc = 300 (> 255: two header digits), e.g. the d1024 rung's 384 experts on one device. Ids above 256
-    # would round in a one-digit bf16 header (257 -> 256, 299 -> 300) and reach the wrong expert's weights.
+    # E_loc = 300 (> 255: two header digits), e.g. the d1024 rung's 384 experts on one device. Local experts
+    # 256 and 298 (headers 257, 299) would round in a one-digit bf16 header (to 256, 300) and reach the wrong
+    # expert's weights.
     mesh = make_mesh(2, 1)
     args = make_inputs(n_tok=32, n_exp=600, width=Z, hidden=4, dtype=jnp.bfloat16)
-    args[1] = args[1].at[:, 0].set(jnp.arange(32, dtype=jnp.int32) % 2 * 43 + 256 + (jnp.arange(32) >= 16) * 300)
+    args[1] = args[1].at[:, 0].set(jnp.arange(32, dtype=jnp.int32) % 2 * 42 + 256 + (jnp.arange(32) >= 16) * 300)
     sizes = transport_sizes(16, K, 2, 300, 3, NO_DROP_CF, 1e4, Z, 2)
     assert sizes.header_digits == 2
     (_, (y, stats, status)), grads = _loss_and_grads(

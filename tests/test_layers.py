@@ -11,11 +11,12 @@ import numpy as np
 from moejax.model import kernel_choice
 from moejax.model.layers import (Norm, init_conv, matmul_tokens, rms_norm, rms_normalize, scale_channels, sconv,
                                  shared_swiglu, swiglu, swiglu_act)
-from moejax.model.moe.router import logits_split_bf16, route, router_logits
-from moejax.model.transformer import CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, chunked_lse, head_chunk, lm_loss, lse_reference
+from moejax.model.moe.router import logits_bf16_matmul, route, router_logits
+from moejax.model.transformer import (CPU_HEAD_CHUNK, MIN_HEAD_CHUNKS, Transformer, chunked_lse, head_chunk, lm_loss,
+                                     lse_reference)
 from moejax.presets import TINY
 from moejax.train.optimizer import make_optimizer
-from moejax.train.state import init_state
+from moejax.train.state import compute_copy, differentiated_copy, init_state
 from moejax.train.step import make_train_step, moe_metrics
 from tests.helpers import all_eqns, toy_batch, toy_model
 
@@ -424,8 +425,8 @@ def test_train_step_runs_the_lm_head_in_vocab_chunks_on_cpu_only(monkeypatch):
     assert f"f32[{tokens},{CPU_HEAD_CHUNK}]" not in on_gpu and f"f32[{tokens},{vocab}]" in on_gpu
 
 
-# The split router logits: every product exact, fp32 sums in another order than the one fp32 matmul's.
-SPLIT_LOGITS_RTOL = 1e-6  # max |a - b| / max |b| against float64, as the fp32 matmul itself reaches
+# The router's bf16 matmul: every product exact, fp32 sums in another order than the one fp32 matmul's.
+ROUTER_F32_RTOL = 1e-6  # max |a - b| / max |b| against float64, as the fp32 matmul itself reaches
 BF16_ROUNDING = 2.0 ** -8  # dm comes back in bf16 (m's dtype), as the fp32 path's does
 
 
@@ -434,30 +435,39 @@ def _max_rel(a, ref):
     return np.abs(a - ref).max() / np.abs(ref).max()
 
 
-def test_router_logits_from_bf16_parts_equal_the_fp32_matmul_in_value_and_gradients():
-    """`logits_split_bf16` (the GPU's router matmul, bf16 parts on tensor cores) against float64: logits and
-    the weight gradient to fp32 accuracy, for weights that aren't bf16 values (3 parts hold them exactly); the
-    activation gradient to its bf16 rounding. The fp32 matmul (the CPU's path) is held to the same bounds."""
+def test_router_logits_from_one_bf16_matmul_equal_the_fp32_matmul_in_value_and_gradients():
+    """`logits_bf16_matmul` (the GPU's router matmul) against float64, for a W of bf16 values as the model's
+    compute copy holds: logits and the weight gradient to fp32 accuracy, the activation gradient to its bf16
+    rounding. The fp32 matmul (the CPU's path) is held to the same bounds."""
     rng = np.random.default_rng(11)
     m = jnp.asarray(rng.normal(size=(64, 96)), jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(96, 24)) * np.exp(rng.normal(size=(96, 24))), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(96, 24)) * np.exp(rng.normal(size=(96, 24))), jnp.bfloat16).astype(jnp.float32)
     g = jnp.asarray(rng.normal(size=(64, 24)), jnp.float32)
     m64, w64, g64 = (np.asarray(x, np.float64) for x in (m, w, g))
     ref = (m64 @ w64, g64 @ w64.T, m64.T @ g64)  # logits, dm, dW
     fp32 = lambda m, w: jnp.einsum("td,de->te", m.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
-    for fn in (logits_split_bf16, fp32):
+    for fn in (logits_bf16_matmul, fp32):
         logits, vjp = jax.vjp(jax.jit(fn), m, w)
         dm, dw = vjp(g)
         assert dm.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
-        assert _max_rel(logits, ref[0]) <= SPLIT_LOGITS_RTOL
-        assert _max_rel(dw, ref[2]) <= SPLIT_LOGITS_RTOL
+        assert _max_rel(logits, ref[0]) <= ROUTER_F32_RTOL
+        assert _max_rel(dw, ref[2]) <= ROUTER_F32_RTOL
         assert _max_rel(dm, ref[1]) <= BF16_ROUNDING
 
 
-def test_router_logits_split_only_when_lowering_bf16_for_a_gpu():
+def test_the_train_step_differentiates_a_router_of_bf16_values():
+    """What `logits_bf16_matmul` relies on: the router matrix reaches `route` holding bf16 values (the bf16
+    compute copy, upcast to fp32 by the train step), so rounding it to bf16 changes nothing."""
+    params = Transformer.init(toy_model(compute_dtype="bfloat16"), jax.random.key(0))
+    router = differentiated_copy(compute_copy(params, jnp.bfloat16)).blocks.moe.router
+    assert router.dtype == jnp.float32
+    np.testing.assert_array_equal(router, router.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_router_logits_take_the_bf16_matmul_only_when_lowering_bf16_for_a_gpu():
     m16, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 4), jnp.float32)
     jaxpr = lambda m: str(jax.make_jaxpr(lambda m, w: router_logits(m, w))(m, w))  # a new function: no cached trace
-    assert "reduce_precision" not in jaxpr(m16)  # CPU: one fp32 matmul
+    assert "logits_bf16_matmul" not in jaxpr(m16)  # CPU: one fp32 matmul
     with kernel_choice.targeting_gpu():
-        assert "reduce_precision" in jaxpr(m16)
-        assert "reduce_precision" not in jaxpr(m16.astype(jnp.float32))  # fp32 activations: nothing to split
+        assert "logits_bf16_matmul" in jaxpr(m16)
+        assert "logits_bf16_matmul" not in jaxpr(m16.astype(jnp.float32))  # fp32 activations: the fp32 matmul

@@ -10,7 +10,8 @@ annotations, module docstrings):
   E experts (E_loc local)    K choices (top-k)            A assignments (T*K)
   Z latent width             F expert width               U shared experts (Fs their width)
   X shards on the `expert` mesh axis                      W transport waves
-  P sender pool rows per destination per wave             M header rows (ceil(P/Z))
+  P sender pool rows per destination per wave             M header rows (ceil(Md*P/Z))
+  Md header digits per expert id (base 256)
   Y rows of one destination's block (M + P)               R rows per local expert (receiver capacity)
   ER expert slots (E_loc*R)  N rows a gather reads (the W*X*P send rows in the transport)
   O rows a gather writes     I readers per source row     Nb histogram bins (QB)

@@ -141,7 +141,7 @@ def compiled_numbers(compiled, device_kind: str = DEFAULT_GPU, top: int = 10, by
     peak = roofline.GPU_PEAKS[device_kind]
     est = roofline.estimate(text, peak, TARGETS[device_kind]["bandwidth"], roofline.GPU_LAUNCH_S,
                             f32_dot_peak=peak * roofline.GPU_F32_DOT_FRACTION, by_source=by_source,
-                            f32_fma_peak=peak * roofline.GPU_F32_FMA_FRACTION[device_kind])
+                            f32_fma_peak=roofline.gpu_f32_fma_peak(peak, device_kind))
     est["items"] = est["items"][:top]
     kernels: dict[str, int] = {}
     for line in text.splitlines():

@@ -275,7 +275,7 @@ def format_plan(r: dict) -> str:
                   f"  A = {r['tokens_per_device']:,} x K = {tr['assignments']:,} assignments; E_loc = "
                   f"{tr['local_experts']}; W = {tr['waves']}",
                   f"  P = ceil(cf_send*A/(X*W)) = {tr['P']:,} rows; R = ceil(cf_recv*A/(E_loc*W)) = {tr['R']:,} rows; "
-                  f"header M = ceil(D*P/latent) = {tr['header_rows']} (D = {tr['header_digits']} base-256 digits "
+                  f"header M = ceil(Md*P/latent) = {tr['header_rows']} (Md = {tr['header_digits']} base-256 digits "
                   f"per expert id)",
                   f"  rows per wave S*(M+P) = {tr['rows_per_wave']:,}; bytes per wave {g(tr['bytes_per_wave'])} at "
                   f"latent width ({g(tr['bytes_per_wave_full_width'])} at full width d)",

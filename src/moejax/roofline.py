@@ -49,6 +49,11 @@ GPU_F32_DOT_FRACTION = 0.5
 # H200 measured the d1024 rung's router GEMMs at ~45 TFLOP/s (docs/LOG.md 2026-12-04, twenty-first session).
 GPU_F32_FMA_FRACTION = {"NVIDIA H200": 67 / 989, "NVIDIA H100": 67 / 989, "NVIDIA GB200": 80 / 2500}
 _HIGHEST = re.compile(r"operand_precision\W*highest", re.IGNORECASE)  # a fused dot's attribute, a GEMM's config
+
+
+def gpu_f32_fma_peak(peak: float, device_kind: str) -> float:
+    """The fp32 FMA rate of a GPU whose bf16 peak is `peak` (the H200's ratio for a GPU not in the table)."""
+    return peak * GPU_F32_FMA_FRACTION.get(device_kind, GPU_F32_FMA_FRACTION["NVIDIA H200"])
 GPU_LAUNCH_S = 3e-6  # per kernel; CUDA graphs can hide some of it
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -169,7 +174,8 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])
         n, m, k = ops[0]
         return 2.0 * n * m * k * ops[1][-1]
-    if kernel == "moejax_ns_gram":  # (a [N,M,K], c [N,M,M]?): the T(T+1)/2 upper tiles of T x T (`ns_gpu`)
+    if kernel == "moejax_ns_gram":  # (a [N,M,K], c [N,M,M]?): the T(T+1)/2 upper tiles of T x T (`ns_gpu`),
+        # at the default tiles, which the train step's Newton-Schulz uses
         from moejax.train.ns_gpu import gram_tile
 
         n, m, k = ops[0]

@@ -2,8 +2,8 @@
 
 Dimensions (the package legend, `moejax/__init__.py`): T tokens (local to a shard inside `shard_map`),
 K choices, A = T*K assignments, Z latent width, F expert width, E experts, X shards on the `expert` axis,
-E_loc = E/X local experts, W waves, P sender pool rows per destination per wave, D header digits per slot,
-M = ceil(D*P/Z) header rows, Y = M + P rows of one destination's block, R receiver capacity per local expert per wave,
+E_loc = E/X local experts, W waves, P sender pool rows per destination per wave, Md header digits per slot,
+M = ceil(Md*P/Z) header rows, Y = M + P rows of one destination's block, R receiver capacity per local expert per wave,
 ER = E_loc*R expert slots, N = W*X*P send rows (X*P per wave).
 
 Per shard (one `shard_map` over the whole mesh; all_to_all over `expert` only, so every (replica_dcn,
@@ -13,8 +13,8 @@ data) group runs its own exchange):
    Send rows are *gathered* from the tokens through the plan (no scatter).
 2. Each destination's block is [M + P, Z]: M header rows carry slot -> local expert + 1 (0 = empty) in the
    activation dtype, so ids ride in the same all_to_all as the payload (no metadata collective). Each id is
-   D base-256 digits, every one an integer bf16 holds exactly (`header_digits`: D = 1 up to 255 local
-   experts, as on the hero's 6; D = 2 beyond, e.g. the d1024 rung's 384 experts on one GPU).
+   Md base-256 digits, every one an integer bf16 holds exactly (`header_digits`: Md = 1 up to 255 local
+   experts, as on the hero's 6; Md = 2 beyond, e.g. the d1024 rung's 384 experts on one GPU).
 3. Receiver: decode ids, rank rows per local expert in interleaved order (slot p of every source before
    slot p+1 of any) so overflow is spread evenly over senders; inside a slot the source order starts at
    (slot + wave + receiving shard) % X, so ties at the cut-off do not always go against the same
@@ -30,7 +30,7 @@ Notable choices:
 - P is capped at ceil(A/W) and R at X*P (more rows than can ever arrive); the caps change no result, only
   buffer sizes, and never bind at production capacity factors (hero: P = 3,141, R = 33,497).
 - SPEC §3 asks to refuse a header bf16 can't hold exactly, or to encode it safely: digits encode it safely,
-  so no expert count is refused. The return block's header carries its kept flags with the same D digits, so
+  so no expert count is refused. The return block's header carries its kept flags with the same Md digits, so
   both directions move blocks of one shape.
 """
 
@@ -66,11 +66,11 @@ class TransportSizes:
     assignments: int  # A = tokens per shard * K
     send_pool: int  # P, rows per destination per wave
     recv_capacity: int  # R, rows per local expert per wave
-    header_rows: int  # M = ceil(D * P / Z)
+    header_rows: int  # M = ceil(Md * P / Z)
+    header_digits: int  # Md, base-HEADER_BASE digits per header value (`header_digits`)
     rows_per_wave: int  # X * (M + P) = X * Y, rows one shard sends (and receives) per wave and direction
     bytes_per_wave: int  # rows_per_wave * Z * dtype bytes, one direction
     expert_rows_per_wave: int  # E_loc * R, rows through the expert MLPs per wave
-    header_digits: int  # D, base-HEADER_BASE digits per header value (`header_digits`)
 
 
 # Header values are written in digits of this base: every integer up to 256 is exact in bf16 (8 significand
@@ -79,7 +79,7 @@ HEADER_BASE = 256
 
 
 def header_digits(local_experts: int) -> int:
-    """D, the base-256 digits a header value needs: values run to E_loc (local expert + 1; 0 = empty)."""
+    """Md, the base-256 digits a header value needs: values run to E_loc (local expert + 1; 0 = empty)."""
     digits = 1
     while HEADER_BASE ** digits <= local_experts:
         digits += 1
@@ -92,26 +92,26 @@ def transport_sizes(tokens_per_device: int, top_k: int, n_shards: int, local_exp
     a = tokens_per_device * top_k
     p = min(_ceil(cf_send * a / (n_shards * waves)), -(-a // waves))
     r = min(_ceil(cf_recv * a / (local_experts * waves)), n_shards * p)
-    d = header_digits(local_experts)
-    m = -(-d * p // latent_width)
+    digits = header_digits(local_experts)
+    m = -(-digits * p // latent_width)
     rows = n_shards * (m + p)
-    return TransportSizes(a, p, r, m, rows, rows * latent_width * dtype_bytes, local_experts * r, d)
+    return TransportSizes(a, p, r, m, digits, rows, rows * latent_width * dtype_bytes, local_experts * r)
 
 
 # ---- header rows -----------------------------------------------------------------------------------
 def _encode_header(values_XP: Int[Array, "X P"], sizes: TransportSizes, width: int, dtype) -> Array:
-    """[X, M, Z] header rows: each value as D base-256 digits, least significant first, then zero padding."""
+    """[X, M, Z] header rows: each value as Md base-256 digits, least significant first, then zero padding."""
     n_src, m = values_XP.shape[0], sizes.header_rows
-    digits_XPD = jnp.stack([values_XP // HEADER_BASE ** i % HEADER_BASE for i in range(sizes.header_digits)], -1)
-    flat = digits_XPD.reshape(n_src, -1)
+    digits_XPMd = jnp.stack([values_XP // HEADER_BASE ** i % HEADER_BASE for i in range(sizes.header_digits)], -1)
+    flat = digits_XPMd.reshape(n_src, -1)
     return jnp.pad(flat, ((0, 0), (0, m * width - flat.shape[1]))).astype(dtype).reshape(n_src, m, width)
 
 
 def _decode_header(header_XMZ: Array, sizes: TransportSizes) -> Int[Array, "X P"]:
     pool, n_digits = sizes.send_pool, sizes.header_digits
     flat = header_XMZ.reshape(header_XMZ.shape[0], -1)[:, :pool * n_digits]
-    digits_XPD = jnp.round(flat.astype(jnp.float32)).astype(jnp.int32).reshape(-1, pool, n_digits)
-    return sum(digits_XPD[..., i] * HEADER_BASE ** i for i in range(n_digits))
+    digits_XPMd = jnp.round(flat.astype(jnp.float32)).astype(jnp.int32).reshape(-1, pool, n_digits)
+    return sum(digits_XPMd[..., i] * HEADER_BASE ** i for i in range(n_digits))
 
 
 # ---- plans (integer bookkeeping, no gradients) -----------------------------------------------------

@@ -16,8 +16,9 @@ Symmetric results (`gram_add`): each step's Gram G = X X^T and its c G G + b G (
 symmetric) are symmetric, so only the tiles (i, j) with i <= j are computed, each stored at (i, j) and,
 transposed, at (j, i): T(T+1)/2 of the T^2 tiles of an [M, M] result (10 of 16 at M = 512 in 128-row tiles),
 and those two GEMMs are 2/3 of a square matrix's Newton-Schulz FLOPs (the d1024 rung's expert matrices; 57
-TFLOP a step at d1024, 26% of its roofline). The stored G is exactly symmetric, which c G G + b G relies on:
-it reads G's row blocks for G^T's column blocks.
+TFLOP a step at d1024, 26% of its roofline). c G G + b G reads G's row blocks for G^T's column blocks, so it
+needs G symmetric: off the diagonal the stored G is so by construction, and the diagonal tiles are as the MMA
+computes them (`bench/check_gpu_kernels.py` reports any asymmetry on a GPU; none in the interpreter).
 
 `interpret=True` runs the kernel through the Pallas interpreter (CPU tests). Tiles are untuned defaults (no
 GPU was at hand), the grouped GEMM's: a 128 x 128 fp32 accumulator on 8 warps. The matrix axis is the grid's
@@ -57,14 +58,15 @@ def shape_problem(m: int, k: int, p: int, tiles: NsTiles = NsTiles()) -> str | N
     return None
 
 
+def _contract(chunk_product, k: int, bk: int, shape: tuple[int, int]):
+    """sum over the K/bk contraction chunks ks of chunk_product(ks), in fp32."""
+    return lax.fori_loop(0, k // bk, lambda i, acc: acc + chunk_product(pl.ds(i * bk, bk)),
+                         jnp.zeros(shape, jnp.float32))
+
+
 def _kernel(a_ref, b_ref, c_ref, o_ref, *, alpha: float, beta: float, bk: int):
     """o = alpha * a @ b + beta * c for one [bm, bp] output tile; a [bm, K], b [K, bp] read chunk by chunk."""
-
-    def body(i, acc):
-        ks = pl.ds(i * bk, bk)
-        return acc + dot(a_ref[:, ks], b_ref[ks, :])
-
-    acc = lax.fori_loop(0, a_ref.shape[-1] // bk, body, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = _contract(lambda ks: dot(a_ref[:, ks], b_ref[ks, :]), a_ref.shape[-1], bk, o_ref.shape)
     o_ref[...] = (alpha * acc + beta * c_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
 
@@ -108,12 +110,8 @@ def _gram_kernel(*refs, alpha: float, beta: float, bt: int, bk: int):
     @pl.when(i <= j)
     def _():
         rows_i, rows_j = pl.ds(i * bt, bt), pl.ds(j * bt, bt)
-
-        def body(k, acc):
-            ks = pl.ds(k * bk, bk)
-            return acc + dot(a_ref[rows_i, ks], a_ref[rows_j, ks], trans_b=True)
-
-        acc = lax.fori_loop(0, a_ref.shape[-1] // bk, body, jnp.zeros((bt, bt), jnp.float32))
+        acc = _contract(lambda ks: dot(a_ref[rows_i, ks], a_ref[rows_j, ks], trans_b=True), a_ref.shape[-1], bk,
+                        (bt, bt))
         out = alpha * acc
         if c_ref is not None:
             out = out + beta * c_ref[rows_i, rows_j].astype(jnp.float32)

@@ -149,7 +149,7 @@ def _matmul_add_xla(p: jax.Array, q: jax.Array, r: jax.Array, alpha: float, beta
 
 
 def _ns_kernel(u: jax.Array, one_device: bool) -> dict | None:
-    """`ns_gpu.matmul_add`'s keyword arguments when it runs this matrix stack's Newton-Schulz, else None.
+    """The `ns_gpu` kernels' keyword arguments when they run this matrix stack's Newton-Schulz, else None.
     MOEJAX_NS chooses by the `kernel_choice` rule; left to the default (the kernel on a GPU), only when the
     run has one device: the optimizer's arrays are global (GSPMD lays out their math), and a custom call left
     to GSPMD runs replicated, which on sharded expert stacks would gather every expert to every device. A

@@ -29,21 +29,15 @@ class Routing(NamedTuple):
 
 def _bf16_parts(x: Float[Array, "..."], n: int) -> list[Array]:
     """n bf16 arrays, largest first, whose fp32 sum is x: each takes the next 8 significant bits of what the
-    ones before left (3 parts hold an fp32 exactly, for normal values). Rounded with reduce_precision, not a
-    bf16 round trip: XLA may drop an f32 -> bf16 -> f32 convert pair under excess precision, which would
-    leave every residual 0."""
+    ones before left (3 parts hold an fp32 exactly, but for magnitudes near bf16's subnormal floor, ~1e-33).
+    Rounded with reduce_precision, not a bf16 round trip: XLA may drop an f32 -> bf16 -> f32 convert pair
+    under excess precision, which would leave every residual 0."""
     x, parts = x.astype(jnp.float32), []
     for _ in range(n - 1):
         part = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
         parts.append(part)
         x = x - part
     return [p.astype(jnp.bfloat16) for p in parts + [x]]
-
-
-def _sum_parts(y: Float[Array, "... nE"], n: int) -> Float[Array, "... E"]:
-    """The n column blocks of y summed, smallest (last) first."""
-    blocks = jnp.split(y, n, axis=-1)
-    return functools.reduce(lambda acc, b: acc + b, blocks[::-1])
 
 
 def _side_by_side(parts: list[Array]) -> Array:
@@ -53,44 +47,43 @@ def _side_by_side(parts: list[Array]) -> Array:
     return jax.lax.optimization_barrier(jnp.concatenate(parts, axis=-1))
 
 
-def _dot_f32(a, b):
-    return jnp.einsum("td,de->te", a, b, preferred_element_type=jnp.float32)
-
-
 @jax.custom_vjp
-def logits_split_bf16(m_TD: Float[Array, "T D"], router_DE: Float[Array, "D E"]) -> Float[Array, "T E"]:
-    """fp32 router logits m W (SPEC §2) from bf16 matmuls with fp32 accumulation: the GPU's tensor cores
+def logits_bf16_matmul(m_TD: Float[Array, "T D"], router_DE: Float[Array, "D E"]) -> Float[Array, "T E"]:
+    """fp32 router logits m W (SPEC §2) from one bf16 matmul with fp32 accumulation: the GPU's tensor cores
     instead of its fp32 FMA units, which ran the d1024 rung's router GEMMs at ~45 TFLOP/s (the forward and
-    its remat alone 13.8 ms of a 525 ms H200 step, docs/LOG.md 2026-12-04). m_TD must be bf16 (the compute dtype); W any fp32, as 3 exact bf16
-    parts side by side in one [D, 3E] matmul: every product exact, so the logits are the fp32 matmul's up to
-    the order of the fp32 sums. Backward: dW = m^T dlogits from dlogits' 3 exact parts (fp32 grade, as
-    before); dm from the two leading parts of each (relative error ~2^-16, then rounded to bf16 anyway)."""
-    return _sum_parts(_dot_f32(m_TD, _side_by_side(_bf16_parts(router_DE, 3))), 3)
+    its remat alone 13.8 ms of a 525 ms H200 step, docs/LOG.md 2026-12-04).
+
+    m_TD is bf16 (the compute dtype) and W holds bf16 values: every caller passes the compute copy (the train
+    step upcasts it to fp32 for an fp32 gradient; eval and `moejax.weights` read it as it is). So every
+    product is exact and the logits are the fp32 matmul's up to the order of the fp32 sums. A W with more bits
+    is rounded to bf16 first, as the model reads every other weight. Backward: dW = m^T dlogits from dlogits'
+    3 exact bf16 parts side by side (fp32 grade, as the fp32 matmul's); dm from dlogits' two leading parts
+    (relative error ~2^-16, then rounded to bf16 anyway: m's dtype)."""
+    return jnp.einsum("td,de->te", m_TD, router_DE.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
-def _logits_split_fwd(m_TD, router_DE):
-    return logits_split_bf16(m_TD, router_DE), (m_TD, router_DE)
+def _logits_fwd(m_TD, router_DE):
+    return logits_bf16_matmul(m_TD, router_DE), (m_TD, router_DE.astype(jnp.bfloat16))
 
 
-def _logits_split_bwd(res, g_TE):
-    m_TD, router_DE = res
+def _logits_bwd(res, g_TE):
+    m_TD, w_DE = res
     g1, g2, g3 = _bf16_parts(g_TE, 3)
-    w1, w2 = _bf16_parts(router_DE, 2)
-    dw_DE = _sum_parts(jnp.einsum("td,te->de", m_TD, _side_by_side([g1, g2, g3]), preferred_element_type=jnp.float32),
-                       3)
-    dm_TD = jnp.einsum("te,de->td", _side_by_side([g1, g1, g2]), _side_by_side([w1, w2, w1]),
+    dw_D3E = jnp.einsum("td,te->de", m_TD, _side_by_side([g1, g2, g3]), preferred_element_type=jnp.float32)
+    dw_DE = functools.reduce(lambda acc, block: acc + block, jnp.split(dw_D3E, 3, axis=-1)[::-1])  # smallest first
+    dm_TD = jnp.einsum("te,de->td", _side_by_side([g1, g2]), _side_by_side([w_DE, w_DE]),
                        preferred_element_type=jnp.float32)
-    return dm_TD.astype(m_TD.dtype), dw_DE.astype(router_DE.dtype)
+    return dm_TD.astype(m_TD.dtype), dw_DE
 
 
-logits_split_bf16.defvjp(_logits_split_fwd, _logits_split_bwd)
+logits_bf16_matmul.defvjp(_logits_fwd, _logits_bwd)
 
 
 def router_logits(m_TD: Float[Array, "T D"], router_DE: Float[Array, "D E"]) -> Float[Array, "T E"]:
-    """fp32 logits (SPEC §2): on GPUs with bf16 activations `logits_split_bf16`, else one fp32 matmul at
-    full precision (CPUs: their fp32 matmul is their fastest; fp32 activations: nothing exact to split)."""
+    """fp32 logits (SPEC §2): on GPUs with bf16 activations `logits_bf16_matmul`, else one fp32 matmul at
+    full precision (CPUs: their fp32 matmul is their fastest)."""
     if kernel_choice.lowering_for_gpu() and m_TD.dtype == jnp.bfloat16:
-        return logits_split_bf16(m_TD, router_DE.astype(jnp.float32))
+        return logits_bf16_matmul(m_TD, router_DE.astype(jnp.float32))
     return jnp.einsum("td,de->te", m_TD.astype(jnp.float32), router_DE.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
 
