@@ -1,11 +1,14 @@
 """`moejax.roofline` reads compiled HLO text: its FLOP and byte counts against XLA's own cost analysis on CPU
 (where XLA has one), and against hand counts where XLA's analysis says less (loops, in-place slices)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from moejax import roofline
+from moejax.train import ns_gpu
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
@@ -169,6 +172,8 @@ def test_pallas_grouped_gemm_flops():
     x, g = "bf16[6,512,1024]{2,1,0}", "bf16[6,512,512]{2,1,0}"
     assert roofline.pallas_flops("moejax_ns_gram", [x], g) == 2 * 6 * 10 * 128 * 128 * 1024
     assert roofline.pallas_flops("moejax_ns_gram", [g, g], g) == 2 * 6 * 10 * 128 * 128 * 512
+    assert roofline.pallas_flops("moejax_ns_gram", ["bf16[2,48,64]"], "bf16[2,48,48]") == 2 * 2 * 6 * 16 * 16 * 64
+    assert all(math.gcd(roofline.NS_GRAM_TILE, m) == ns_gpu.gram_tile(m) for m in (16, 48, 96, 512, 1024, 3072))
     assert roofline.pallas_flops("some_other_kernel", [x], x) is None
 
 

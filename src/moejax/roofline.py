@@ -54,6 +54,9 @@ _HIGHEST = re.compile(r"operand_precision\W*highest", re.IGNORECASE)  # a fused 
 def gpu_f32_fma_peak(peak: float, device_kind: str) -> float:
     """The fp32 FMA rate of a GPU whose bf16 peak is `peak` (the H200's ratio for a GPU not in the table)."""
     return peak * GPU_F32_FMA_FRACTION.get(device_kind, GPU_F32_FMA_FRACTION["NVIDIA H200"])
+# `ns_gpu.gram_add`'s square output tile at its default tiles (NsTiles.bm), which the train step uses: the
+# roofline counts the kernel's upper tiles with it (this module imports nothing of moejax's; a test ties the two).
+NS_GRAM_TILE = 128
 GPU_LAUNCH_S = 3e-6  # per kernel; CUDA graphs can hide some of it
 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -174,13 +177,11 @@ def pallas_flops(kernel: str, operand_types: list[str], result_type: str) -> flo
     if kernel == "moejax_ns_matmul_add":  # (a [N,M,K], b [N,K,P], c [N,M,P])
         n, m, k = ops[0]
         return 2.0 * n * m * k * ops[1][-1]
-    if kernel == "moejax_ns_gram":  # (a [N,M,K], c [N,M,M]?): the T(T+1)/2 upper tiles of T x T (`ns_gpu`),
-        # at the default tiles, which the train step's Newton-Schulz uses
-        from moejax.train.ns_gpu import gram_tile
-
+    if kernel == "moejax_ns_gram":  # (a [N,M,K], c [N,M,M]?): the T(T+1)/2 upper tiles of T x T (`ns_gpu`)
         n, m, k = ops[0]
-        t = m // gram_tile(m)
-        return 2.0 * n * (t * (t + 1) // 2) * gram_tile(m) ** 2 * k
+        bt = math.gcd(NS_GRAM_TILE, m)  # the largest power of two up to the tile that divides M, as ns_gpu's
+        t = m // bt
+        return 2.0 * n * (t * (t + 1) // 2) * bt ** 2 * k
     matmuls = {"moejax_flash_fwd": 2, "moejax_flash_dq": 3, "moejax_flash_dkv": 4}.get(kernel)
     if matmuls:  # q [B, S, H, D] is the first 4-d operand, k [B, Sk, G, D] the next; causal half
         q, k = [s for s in ops if len(s) == 4][:2]
