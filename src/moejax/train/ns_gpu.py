@@ -97,7 +97,7 @@ def matmul_add(a: Float[Array, "N M K"], b: Float[Array, "N K P"], c: Float[Arra
 
 
 def gram_tile(m: int, tiles: NsTiles = NsTiles()) -> int:
-    """The square output tile `gram_add` takes for an [M, M] result (the roofline counts its tiles)."""
+    """The square output tile `gram_add` takes for an [M, M] result (`roofline.NS_GRAM_TILE` is the default's)."""
     return tile(tiles.bm, m)
 
 
