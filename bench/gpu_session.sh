@@ -2,8 +2,9 @@
 # Everything issue 11 needs from one GPU session, unattended, each part time-limited (~24 minutes of limits
 # in all, so with a 10-minute limit per command and 15 minutes of device time, run the parts that matter as
 # calls on one warm machine, back to back: it is given back after 30 s idle). Next session (after the
-# twenty-second, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
-# to 240 s), then PARTS="fast" (up to 330 s); step and flash were measured in the twenty-first session.
+# twenty-third, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
+# to 240 s), then PARTS="fast" (up to 330 s), then, with device time left, PARTS="step" (d1024, where the
+# twenty-third session's router and Newton-Schulz changes are largest; its capacity path runs now).
 #   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references (the
 #            grouped kernels also with the rows read and written in place: MOEJAX_GROUPED_ROWS);
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target): the default
