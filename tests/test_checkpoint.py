@@ -231,6 +231,23 @@ def test_reshard_on_load(tmp_path):
     assert r2["params"].w.sharding == shard and r2["params"].master.sharding == host
 
 
+def test_zero_size_arrays_round_trip(tmp_path):
+    """A model with `model.n_shared=0` holds [L, 0, D, Fs] shared-expert stacks (and Adam moments to match):
+    orbax refuses to save zero-size arrays, so they are left out and put back on restore, with their shape,
+    dtype and sharding. The run once trained, then failed at its final checkpoint and left it half-written."""
+    mesh = mesh8()
+    sharded = NamedSharding(mesh, P("data"))
+    state = {"shared": jax.device_put(jnp.zeros((8, 0, 4), jnp.bfloat16), sharded), "w": jnp.arange(6.0),
+             "moments": {"mu": jnp.zeros((2, 0)), "nu": np.zeros((0,), np.float32)}, "data_position": 7}
+    with ck.CheckpointManager(tmp_path, permanent_every=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        restored, _ = mgr.restore_latest(state)
+    assert_bitwise_equal(restored, state)
+    assert restored["shared"].shape == (8, 0, 4) and restored["shared"].dtype == jnp.bfloat16
+    assert restored["shared"].sharding == sharded and isinstance(restored["moments"]["nu"], np.ndarray)
+
+
 # ----------------------------------------------------------------------------- fallback
 
 
