@@ -50,6 +50,18 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
     assert json.loads((junk / "config.json").read_text()) == {"not": "moejax"}
 
 
+def test_a_config_json_that_is_not_a_runs_is_refused_without_offering_overwrite(tmp_path):
+    """An export's dir (its config.json says `format: moejax-export/1`) as --run-dir: one line that says so,
+    not a suggestion of --overwrite, which would then refuse it too."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text('{"format": "moejax-export/1", "model": {}}')
+    with pytest.raises(RunError, match=r"holds a config.json that is not a moejax run's") as err:
+        prepare_run_dir(export, CFG, overwrite=False)
+    assert "--overwrite" not in str(err.value)
+    assert json.loads((export / "config.json").read_text())["format"] == "moejax-export/1"
+
+
 def test_overwrite_removes_only_what_moejax_wrote(tmp_path, capsys):
     run = tmp_path / "run"
     _fake_run(run)

@@ -155,6 +155,9 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
     if not primary:
         return cfg_path.exists() and not overwrite
     if cfg_path.exists() and not overwrite:
+        if not is_moejax_run(run_dir):  # --overwrite would refuse it too (`clear_run_dir`): don't offer it
+            raise RunError(f"run dir {run_dir} holds a config.json that is not a moejax run's (an export's, or "
+                           "another tool's); choose another --run-dir")
         old = _json_dict(cfg_path)
         if old is None:
             raise RunError(f"run dir {run_dir} has an unreadable config.json; pass --overwrite to start it over")
