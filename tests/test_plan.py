@@ -78,6 +78,10 @@ def test_cli_exit_codes(capsys):
     assert main(["plan", "tiny", "--cluster", "h200x1"]) == 0
     assert "fits:" in capsys.readouterr().out
     assert main(["plan", "hero", "--cluster", "nope"]) == 2
+    assert main(["plan", "tiny", "--lower", "--phase", "999"]) == 2  # before the plan is printed
+    assert capsys.readouterr().err.endswith("--phase 999: not a context phase of tiny (128)\n")
+    assert main(["plan", "tiny", "--phase", "128"]) == 2
+    assert "needs --lower or --compile" in capsys.readouterr().err
 
 
 def test_lower_hero_on_704_device_abstract_mesh():

@@ -86,6 +86,11 @@ def _cmd_plan(args) -> int:
     if args.cluster not in CLUSTERS:
         raise ConfigError(f"unknown --cluster {args.cluster!r} (known: {', '.join(CLUSTERS)})")
     cfg = plan_config(preset(args.preset), args.set or [], args.mesh)
+    phases = sorted({ph.seq_len for ph in cfg.phases})
+    if args.phase is not None and args.phase not in phases:
+        raise ConfigError(f"--phase {args.phase}: not a context phase of {cfg.name} ({', '.join(map(str, phases))})")
+    if args.phase is not None and not (args.lower or args.compile):
+        raise ConfigError(f"--phase {args.phase} needs --lower or --compile (the plan itself covers every phase)")
     cluster = CLUSTERS[args.cluster]
     r = plan(cfg, cluster, args.mfu)
     if args.compile:
