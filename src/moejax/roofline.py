@@ -41,19 +41,13 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 # Dense bf16 matmul peak (vendor figure, no sparsity) and HBM bandwidth, for `moejax plan --compile`.
 GPU_PEAKS = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA GB200": 2.5e15}
 # A dot with fp32 operands runs at best on a GPU's TF32 tensor cores (where XLA's default precision allows it),
-# at half the bf16 rate: the datasheets' dense TF32 figures. The step has a few (the LM head's backward, fp32
-# by SPEC §6's loss precision; the router's).
+# at half the bf16 rate: the datasheets' dense TF32 figures.
 GPU_F32_DOT_FRACTION = 0.5
 # With operand precision HIGHEST (full fp32, as SPEC §2's router logits were computed) XLA keeps to the fp32 FMA
 # units, no TF32: the datasheets' dense FP32 rate (H100/H200 67 TFLOP/s, GB200 80) over their bf16 peak. The
 # H200 measured the d1024 rung's router GEMMs at ~45 TFLOP/s (docs/LOG.md 2026-12-04, twenty-first session).
 GPU_F32_FMA_FRACTION = {"NVIDIA H200": 67 / 989, "NVIDIA H100": 67 / 989, "NVIDIA GB200": 80 / 2500}
 _HIGHEST = re.compile(r"operand_precision\W*highest", re.IGNORECASE)  # a fused dot's attribute, a GEMM's config
-
-
-def gpu_f32_fma_peak(peak: float, device_kind: str) -> float:
-    """The fp32 FMA rate of a GPU whose bf16 peak is `peak` (the H200's ratio for a GPU not in the table)."""
-    return peak * GPU_F32_FMA_FRACTION.get(device_kind, GPU_F32_FMA_FRACTION["NVIDIA H200"])
 # `ns_gpu.gram_add`'s square output tile at its default tiles (NsTiles.bm), which the train step uses: the
 # roofline counts the kernel's upper tiles with it (this module imports nothing of moejax's; a test ties the two).
 NS_GRAM_TILE = 128
@@ -77,6 +71,11 @@ _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}
 # A Pallas kernel's name in its op_name: `.../moejax_grouped_fwd/pallas_call`, or wrapped by autodiff, e.g.
 # `transpose(jvp(moejax_grouped_dw))/pallas_call` in an unrolled step's backward.
 KERNEL_NAME = re.compile(r'op_name="[^"]*?(moejax_\w+)\)*/pallas_call')
+
+
+def gpu_f32_fma_peak(peak: float, device_kind: str) -> float:
+    """The fp32 FMA rate of a GPU whose bf16 peak is `peak` (the H200's ratio for a GPU not in the table)."""
+    return peak * GPU_F32_FMA_FRACTION.get(device_kind, GPU_F32_FMA_FRACTION["NVIDIA H200"])
 
 
 @dataclasses.dataclass
