@@ -241,28 +241,38 @@ def _activation(gu_Bkb2F: Float[Array, "Bk b 2 F"]) -> Float[Array, "Bk b F"]:
     return (g * jax.nn.sigmoid(g) * u).astype(gu_Bkb2F.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _swiglu_down(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret: bool):
+    """block_matmul(swiglu_act(g, u), w), (g, u) the halves of gu, on the kernels (`_swiglu_down_to` blocks)."""
+    return _swiglu_down_to(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, None, 0, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _swiglu_down_to(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, dst_Pd, n_out: int, interpret: bool):
     """block_matmul(swiglu_act(g, u), w), (g, u) the halves of gu, on the kernels: the activation made by XLA
     for the plain forward and weight-gradient kernels (remade for the latter, not kept: a residual of
     [Bk, b, F] a layer saved), its derivative in dx's epilogue (`grouped_gpu.matmul_dx_act`), so dh is never
-    stored. The composition's values up to where bf16 rounds: the activation once from fp32, dh not at all."""
-    return grouped_gpu.matmul(_activation(gu_Bkb2F), w_EFZ, expert_Bk, blocks_E, interpret=interpret)
+    stored. The composition's values up to where bf16 rounds: the activation once from fp32, dh not at all.
+    dst_Pd None: the result in blocks; else written straight to the [n_out, Z] rows dst_Pd maps to, and the
+    backward reads dy's rows through the same map (the dx and dw kernels' gathered loads)."""
+    return grouped_gpu.matmul(_activation(gu_Bkb2F), w_EFZ, expert_Bk, blocks_E, interpret=interpret,
+                              rows_out=dst_Pd, n_out=n_out)
 
 
-def _swiglu_down_fwd(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret):
-    return _swiglu_down(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, interpret), (gu_Bkb2F, w_EFZ, expert_Bk, blocks_E)
+def _swiglu_down_to_fwd(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, dst_Pd, n_out, interpret):
+    y = _swiglu_down_to(gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, dst_Pd, n_out, interpret)
+    return y, (gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, dst_Pd)
 
 
-def _swiglu_down_bwd(interpret, res, dy_BkbZ):
-    gu_Bkb2F, w_EFZ, expert_Bk, blocks_E = res
-    dgu_Bkb2F = grouped_gpu.matmul_dx_act(dy_BkbZ, w_EFZ, gu_Bkb2F, expert_Bk, blocks_E, interpret=interpret)
-    dw_EFZ = grouped_gpu.matmul_dw(_activation(gu_Bkb2F), dy_BkbZ, blocks_E, interpret=interpret,
-                                   out_dtype=w_EFZ.dtype)
-    return dgu_Bkb2F, dw_EFZ, None, None
+def _swiglu_down_to_bwd(n_out, interpret, res, dy):
+    gu_Bkb2F, w_EFZ, expert_Bk, blocks_E, dst_Pd = res
+    dgu_Bkb2F = grouped_gpu.matmul_dx_act(dy, w_EFZ, gu_Bkb2F, expert_Bk, blocks_E, interpret=interpret,
+                                          dy_rows=dst_Pd)
+    dw_EFZ = grouped_gpu.matmul_dw(_activation(gu_Bkb2F), dy, blocks_E, interpret=interpret,
+                                   out_dtype=w_EFZ.dtype, dy_rows=dst_Pd)
+    return dgu_Bkb2F, dw_EFZ, None, None, None
 
 
-_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
+_swiglu_down_to.defvjp(_swiglu_down_to_fwd, _swiglu_down_to_bwd)
 
 
 def row_maps(layout: BlockLayout, rows_per_source: int = 1) -> tuple[Int[Array, "Pd"], Int[Array, "Pd"]]:
@@ -304,31 +314,6 @@ def _rows_matmul_bwd(rows_per_source, out_rows, interpret, res, dy):
 _rows_matmul.defvjp(_rows_matmul_fwd, _rows_matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _swiglu_down_rows(gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E, n_out: int, interpret: bool):
-    """`_swiglu_down` writing its result straight to the [n_out, Z] rows dst_Pd maps to, its backward reading
-    dy's rows through the same map (the dx and dw kernels' gathered loads)."""
-    return grouped_gpu.matmul(_activation(gu_Bkb2F), w_EFZ, expert_Bk, blocks_E, interpret=interpret,
-                              rows_out=dst_Pd, n_out=n_out)
-
-
-def _swiglu_down_rows_fwd(gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E, n_out, interpret):
-    y = _swiglu_down_rows(gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E, n_out, interpret)
-    return y, (gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E)
-
-
-def _swiglu_down_rows_bwd(n_out, interpret, res, dy_AZ):
-    gu_Bkb2F, w_EFZ, dst_Pd, expert_Bk, blocks_E = res
-    dgu_Bkb2F = grouped_gpu.matmul_dx_act(dy_AZ, w_EFZ, gu_Bkb2F, expert_Bk, blocks_E, interpret=interpret,
-                                          dy_rows=dst_Pd)
-    dw_EFZ = grouped_gpu.matmul_dw(_activation(gu_Bkb2F), dy_AZ, blocks_E, interpret=interpret,
-                                   out_dtype=w_EFZ.dtype, dy_rows=dst_Pd)
-    return dgu_Bkb2F, dw_EFZ, None, None, None
-
-
-_swiglu_down_rows.defvjp(_swiglu_down_rows_fwd, _swiglu_down_rows_bwd)
-
-
 def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Float[Array, "E Z F"],
                 w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"],
                 rows_per_source: int = 1) -> Float[Array, "A Z"]:
@@ -347,7 +332,7 @@ def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Floa
     gu_Bkb2F = _rows_matmul(x_NZ, jnp.concatenate([w_gate_EZF, w_up_EZF], axis=-1), src_Pd, dst_Pd, e, c,
                             rows_per_source, False, interpret)
     gu_Bkb2F = gu_Bkb2F.reshape(layout.n_blocks, layout.block, 2, -1)
-    return _swiglu_down_rows(gu_Bkb2F, w_down_EFZ, dst_Pd, e, c, layout.slot_A.shape[0], interpret)
+    return _swiglu_down_to(gu_Bkb2F, w_down_EFZ, e, c, dst_Pd, layout.slot_A.shape[0], interpret)
 
 
 def grouped_matmul(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_EZF: Float[Array, "E Z F"],
