@@ -1,6 +1,7 @@
 """One accelerator benchmark (issue 11): step time, tokens/s, MFU, peak memory and the top device kernels of
-the project's own train step (hero optimizer, remat on, synthetic packed batches), for two shapes and both
-MoE paths. Runs unattended and stops starting new cases after `--budget-s` seconds.
+the project's own train step (hero optimizer, synthetic packed batches), for two shapes and both MoE paths,
+in the memory-lean layout timed since the nineteenth session (layers scanned, remat on; `--unrolled`,
+`--no-remat` for the fast one, the run default being unrolled without remat). Runs unattended and stops starting new cases after `--budget-s` seconds.
 
 Shapes:
   G      d_model 1024, 12 layers, 8 heads x 128, 64 experts top-8, expert width = latent = 512,
@@ -63,12 +64,13 @@ def shape_g() -> RunConfig:
     model = dataclasses.replace(ladder_shape(HERO_MODEL, 1024, 12, 8), n_experts=64, vocab_size=32_768,
                                 attn_q_block=512, loss_vocab_block=0)
     return RunConfig(name="G", model=model, train=TrainConfig(seq_len=4096, batch_size=8, steps=10_000,
-                                                               optimizer="hero", remat=True))
+                                                               optimizer="hero", remat=True, scan_layers=True))
 
 
 def rung_d1024() -> RunConfig:
     cfg = ladder_rung(1024)
-    return dataclasses.replace(cfg, name="d1024", train=dataclasses.replace(cfg.train, batch_size=8, remat=True),
+    return dataclasses.replace(cfg, name="d1024", train=dataclasses.replace(cfg.train, batch_size=8, remat=True,
+                                                                            scan_layers=True),
                                parallel=ParallelConfig())
 
 

@@ -157,7 +157,7 @@ def test_d1024_rung_step_lowers_with_both_kernels(rows, monkeypatch):
     monkeypatch.setenv("MOEJAX_GROUPED_ROWS", rows)
     monkeypatch.setenv("MOEJAX_NS", "xla")  # counted in test_newton_schulz_kernel_in_one_device_steps
     cfg = ladder_rung(1024)
-    cfg = replace(cfg, train=replace(cfg.train, batch_size=8, remat=True), parallel=ParallelConfig())
+    cfg = replace(cfg, train=replace(cfg.train, batch_size=8, remat=True, scan_layers=True), parallel=ParallelConfig())
     optimizer, lr_fn = make_optimizer(cfg)
     state = jax.eval_shape(lambda: init_state(cfg, optimizer, jax.random.key(0)))
     shape = (cfg.train.batch_size, cfg.train.seq_len)

@@ -7,7 +7,7 @@ import pytest
 
 from moejax.cli import main
 from moejax.config import ConfigError, ParallelConfig
-from moejax.presets import HERO, TINY
+from moejax.presets import HERO, TINY, ladder_rung
 from moejax.plan import CLUSTERS, GB, plan
 
 HERO_TOKENS_PER_DEVICE = 11_264 * 4096 // 704  # 65,536
@@ -122,6 +122,23 @@ def test_hero_context_phases(hero_plan):
     # the 262K phase's global layers read 3 earlier chunks: K and V per query head, 3 x 65,536 x 2 x 6144 x 2 B
     assert last["attention_bytes"] - first["attention_bytes"] > 3 * 65_536 * 2 * 6144 * 2
     assert all(p["fits_hbm"] for p in hero_plan["phases"])
+
+
+def test_activations_without_remat_keep_every_layer(capsys):
+    """Without remat the backward reads every layer's intermediates, so the estimate holds L blocks' working sets
+    where remat holds one (and the transport results it keeps); `fits` follows. On one H200 this estimate came
+    within 4-9% of XLA's compiled peak at shape G and the d1024 rung (docs/LOG.md, 2026-12-04)."""
+    cfg = ladder_rung(2048)  # remat on: without it the rung would not fit its cluster
+    on = plan(cfg, CLUSTERS["gb200-nvl72x11"])
+    off = plan(replace(cfg, train=replace(cfg.train, remat=False)), CLUSTERS["gb200-nvl72x11"])
+    block = sum(off[k] for k in ("attention_bytes", "moe_bytes", "shared_bytes", "router_bytes"))
+    head, inputs, layers = off["lm_head_logits_bytes"], off["block_inputs_bytes"], cfg.model.n_layers
+    assert on["activations_bytes"] == inputs + on["transport_kept_bytes"] + block + head
+    assert off["activations_bytes"] == inputs + layers * block + head and off["transport_kept_bytes"] == 0
+    assert on["fits_hbm"] and not off["fits_hbm"]
+    assert main(["plan", "d2048", "--set", "train.remat=false"]) == 1
+    out = capsys.readouterr().out
+    assert "activations (no remat, estimate)" in out and f"x L = {layers}" in out and "DOES NOT FIT" in out
 
 
 def test_plan_takes_set_and_mesh(capsys):

@@ -161,9 +161,13 @@ class TrainConfig:
     # L x 2W waves of memory per device); "dispatch", the dispatch results only (SPEC §3.6; 5 x W); or
     # "nothing" (6 x W). At the hero the first two need 356 / 178 GB per device (docs/LOG.md 2026-12-01).
     remat_saves: str = "transport"
-    # lax.scan over the layers (compile time independent of depth), or False: unrolled, faster at a few
-    # layers (the tiny preset; see transformer.run_layers). Changes no value.
-    scan_layers: bool = True
+    # True: lax.scan over the layers, whose compile time is independent of depth (the hero: 48 layers on 704
+    # devices). False: unrolled, the default. Unrolled is faster in every layout measured and needs no more
+    # memory, because a scan writes each layer's saved activations into per-layer stacks. At issue 11's shape
+    # G on one H200 (XLA's compiled roofline): 119 vs 207 ms and 49 vs 76 GB without remat, 148 vs 161 ms with
+    # it; d1024 with remat 289 vs 305 ms at 55 GB both; CPU 1.2-1.3x at 4 layers. The cost is compile time
+    # (~3x at 12 layers). Changes no value (transformer.run_layers).
+    scan_layers: bool = False
     checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
     temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept
 

@@ -10,7 +10,8 @@ Every number is derived from the preset and the cluster table below, with its fo
   real optimizer's init, sharded like their parameters (`mirror_shardings`);
 - activations with per-block remat (an estimate, stated term by term): the L block inputs kept for the
   backward + one block's working set while it is recomputed (attention as implemented: dense fp32
-  scores [B, H, S, S] per device; MoE transport buffers; expert hidden) + the LM-head logits;
+  scores [B, H, S, S] per device; MoE transport buffers; expert hidden) + the LM-head logits; without
+  remat (train.remat=false) the backward reads every layer's intermediates, so L blocks' working sets;
 - per context phase (`RunConfig.phases`): sequences per step, context-parallel degree, the phase's
   capacity factors, and the attention / activation / HBM numbers above at that phase's layout (a global
   layer's keys are the whole sequence; with CP the earlier chunks' K/V per query head are counted);
@@ -167,12 +168,18 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, 
     router = 2 * T * m.n_experts * 4  # fp32 logits + margins
     vocab = m.loss_vocab_block or m.vocab_size
     head = T * vocab * 4
+    # With remat one block's working set is live at a time (its recompute). Without it the backward reads every
+    # layer's intermediates, kept from the forward: L working sets (their transport results among them). Checked
+    # against XLA's compiled peak on one H200 (docs/LOG.md 2026-12-04, twenty-fourth session).
+    blocks_live = 1 if t.remat else m.n_layers
+    if not t.remat:
+        transport_kept = 0
     return {"tokens_per_device": T, "lm_head_vocab": vocab, "lm_head_streamed": bool(m.loss_vocab_block),
             "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo,
             "attention_kv_context_bytes": kv_ext, "moe_bytes": moe, "transport_kept_bytes": transport_kept,
-            "remat_saves": t.remat_saves,
+            "remat": bool(t.remat), "remat_saves": t.remat_saves, "blocks_live": blocks_live,
             "shared_bytes": shared, "router_bytes": router, "lm_head_logits_bytes": head,
-            "activations_bytes": kept + transport_kept + attn + moe + shared + router + head}
+            "activations_bytes": kept + transport_kept + blocks_live * (attn + moe + shared + router) + head}
 
 
 def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per_device: int) -> list[dict]:
@@ -209,8 +216,8 @@ def plan(cfg: RunConfig, cluster: Cluster, mfu: float = DEFAULT_MFU) -> dict:
         hbm += host
     # What a blockwise (flash) attention kernel and a vocab-streamed loss would leave: q/k/v/o only, and
     # [T, STREAM_BLOCK] fp32 logits.
-    lean = (hbm - act["attention_bytes"] + act["attention_qkvo_bytes"] - act["lm_head_logits_bytes"]
-            + T * min(STREAM_BLOCK, m.vocab_size) * 4)
+    lean = (hbm - act["blocks_live"] * (act["attention_bytes"] - act["attention_qkvo_bytes"])
+            - act["lm_head_logits_bytes"] + T * min(STREAM_BLOCK, m.vocab_size) * 4)
     phases = phase_numbers(cfg, cluster, hbm - act["activations_bytes"], T)
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
     step_flops = 3.0 * fwd * t.tokens_per_step
@@ -254,8 +261,12 @@ def format_plan(r: dict) -> str:
              f"  {'bf16 compute weights':<40}{g(r['weights_bf16_bytes']):>14}  2 B x {r['params_per_device']:,} params "
              f"(routed {r['routed_params_per_device']:,} over expert + {r['other_params_per_device']:,} FSDP)",
              f"  {'fp32 gradients':<40}{g(r['grads_fp32_bytes']):>14}  4 B x params per device, sharded like them",
-             f"  {'activations (per-block remat, estimate)':<40}{g(r['activations_bytes']):>14}",
+             f"  {'activations (' + ('per-block remat' if r['remat'] else 'no remat') + ', estimate)':<40}"
+             f"{g(r['activations_bytes']):>14}",
              f"    {'block inputs kept':<38}{g(r['block_inputs_bytes']):>14}  L x T x d x 2 B",
+             *([] if r["remat"] else [f"    {'each layer keeps (no remat)':<38}"
+                                      f"{g((r['activations_bytes'] - r['block_inputs_bytes'] - r['lm_head_logits_bytes']) / r['blocks_live']):>14}"
+                                      f"  x L = {r['blocks_live']}: the four working sets below"]),
              *([f"    {'transport results kept':<38}{g(r['transport_kept_bytes']):>14}  L x "
                 f"{'2W' if r['remat_saves'] == 'transport' else 'W'} x bytes/wave (train.remat_saves="
                 f"{r['remat_saves']})"] if r["transport_kept_bytes"] else []),

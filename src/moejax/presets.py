@@ -40,6 +40,7 @@ HERO = RunConfig(
     model=replace(HERO_MODEL, **HERO_MEMORY),
     train=TrainConfig(seq_len=4096, batch_size=SEQUENCES_PER_RACK * HERO_RACKS, steps=390_139, optimizer="hero",
                       opt_state_memory="pinned_host", remat=True, remat_saves=HERO_REMAT_SAVES,
+                      scan_layers=True,  # 48 layers on 704 devices: a compile time independent of depth
                       eval_every=HERO_EVAL_EVERY, eval_at_start=True,
                       eval_batch_size=EVAL_SEQUENCES_PER_RACK * HERO_RACKS),
     parallel=ParallelConfig(replica_dcn=HERO_RACKS, data=1, expert=EXPERT_SHARDS, model=1),
@@ -54,6 +55,10 @@ TOKENS_PER_ACTIVE_PARAM = 791  # steps = round(791 * active params / tokens per 
 # rack, so every rack carries the same 4.19M tokens and drop dynamics stay comparable across rungs; d2048
 # runs the hero's 11 racks (11,264 sequences).
 LADDER_RACKS = {768: 1, 1024: 2, 1536: 6, 2048: 11, 6144: HERO_RACKS}
+# Rungs that need block remat to fit their cluster: without it d2048's activations come to 224 GB a device by
+# `moejax plan` (a B200 has 186). The narrower rungs fit without it (d1536: 124 GB) and take the faster
+# remat-free step, unrolled (train.scan_layers).
+LADDER_REMAT = {768: False, 1024: False, 1536: False, 2048: True, 6144: True}
 
 
 def ladder_shape(base: ModelConfig, d_model: int, n_layers: int, n_heads: int) -> ModelConfig:
@@ -66,13 +71,14 @@ def ladder_shape(base: ModelConfig, d_model: int, n_layers: int, n_heads: int) -
 
 def ladder_rung(d_model: int) -> RunConfig:
     """The ladder rung at this width: shapes from LADDER_SHAPES, 1024 sequences x LADDER_RACKS racks per step
-    on a (racks, 1, 64, 1) mesh, steps from 791 tokens/active param, an eval every 5% of the run."""
+    on a (racks, 1, 64, 1) mesh, steps from 791 tokens/active param, an eval every 5% of the run, block remat
+    where LADDER_REMAT says it is needed."""
     if d_model not in LADDER_SHAPES:
         raise ConfigError(f"no ladder rung at width {d_model} (known: {sorted(LADDER_SHAPES)})")
     model = ladder_shape(replace(HERO_MODEL, **HERO_MEMORY), d_model, *LADDER_SHAPES[d_model])
     racks = LADDER_RACKS[d_model]
     train = TrainConfig(seq_len=4096, batch_size=SEQUENCES_PER_RACK * racks, steps=1, optimizer="hero",
-                        eval_batch_size=EVAL_SEQUENCES_PER_RACK * racks)
+                        eval_batch_size=EVAL_SEQUENCES_PER_RACK * racks, remat=LADDER_REMAT[d_model])
     steps = round(TOKENS_PER_ACTIVE_PARAM * active_params(model) / train.tokens_per_step)
     train = replace(train, steps=steps, eval_every=max(1, round(RUNG_EVAL_FRACTION * steps)))
     return RunConfig(name=f"d{d_model}", model=model, train=train,
@@ -88,8 +94,7 @@ TINY = RunConfig(
                   n_experts=16, top_k=2, expert_width=64, latent_width=64, n_shared=2, shared_width=64),
     train=TrainConfig(seq_len=128, batch_size=16, steps=300, optimizer="hero", warmup_fraction=0.05,
                       eval_every=100, b2=0.99, checkpoint_every=100, temp_checkpoint_minutes=2.0,
-                      load_log_every=5,  # [4 x 16] loads are small: a 60-column heat map in `moejax report`
-                      scan_layers=False),  # 4 layers: unrolled is ~28% faster on CPU, same compile time
+                      load_log_every=5),  # [4 x 16] loads are small: a 60-column heat map in `moejax report`
     parallel=ParallelConfig(),
 )
 
