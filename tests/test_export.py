@@ -55,6 +55,29 @@ def test_tensor_names_round_trip():
         from_tensors({k: v for k, v in tensors.items() if k != "layers.2.attn.wo"}, cfg)
 
 
+def test_weights_of_a_model_without_shared_experts_export_and_load(tmp_path):
+    """`model.n_shared=0`: the [L, 0, D, Fs] shared stacks were never saved (orbax takes no zero-size arrays), and
+    `restore_weights` gave None for them, so an export lacked their tensors and would not load again. They come
+    back as zero-size arrays of the target's shape and dtype."""
+    from moejax.checkpoint import CheckpointManager
+    from moejax.presets import TINY
+    from moejax.weights import restore_weights
+
+    cfg = dataclasses.replace(TINY, model=toy_model(n_shared=0, n_layers=2))
+    state = init_state(cfg, make_optimizer(cfg)[0], jax.random.key(0))
+    with CheckpointManager(tmp_path, permanent_every=1) as mgr:
+        mgr.save(1, state, extra_metadata={"model_config": dataclasses.asdict(cfg.model)})
+        mgr.wait()
+    for which, want in (("params", state.params), ("compute", state.compute)):
+        got = restore_weights(list_checkpoints(tmp_path)[-1].path, cfg, which)
+        assert got.blocks.moe.shared_gate.shape == (2, 0, cfg.model.d_model, cfg.model.shared_width)
+        tensors = to_tensors(got)
+        assert tensors["layers.1.moe.shared_down"].shape == (0, cfg.model.shared_width, cfg.model.d_model)
+        for a, b in zip(jax.tree.leaves(from_tensors(tensors, cfg.model)), jax.tree.leaves(want)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_export_reproduces_the_checkpoints_logits(run_dir, tmp_path):
     out = tmp_path / "export"
     s = export_run(run_dir, out, "fp32", shard_bytes=SMALL_SHARD)

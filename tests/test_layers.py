@@ -455,6 +455,18 @@ def test_router_logits_from_one_bf16_matmul_equal_the_fp32_matmul_in_value_and_g
         assert _max_rel(dm, ref[1]) <= BF16_ROUNDING
 
 
+def test_router_bf16_matmul_gives_the_weight_gradient_in_the_weights_dtype():
+    """A bf16 weight gets a bf16 gradient (a cotangent must match its primal's dtype: under a scan's grad an
+    fp32 one raised), an fp32 weight an fp32 one."""
+    m = jnp.ones((2, 8, 16), jnp.bfloat16)
+    for dt in (jnp.bfloat16, jnp.float32):
+        w = jnp.full((16, 4), 0.5, dt)
+        loss = lambda w: jax.lax.scan(lambda c, mt: (c + jnp.sum(logits_bf16_matmul(mt, w)), None), 0.0, m)[0]
+        dw = jax.grad(loss)(w)
+        assert dw.dtype == dt
+        np.testing.assert_array_equal(np.asarray(dw, np.float32), np.full((16, 4), 16.0))  # 2 x 8 ones per entry
+
+
 def test_the_train_step_differentiates_a_router_of_bf16_values():
     """What `logits_bf16_matmul` relies on: the router matrix reaches `route` holding bf16 values (the bf16
     compute copy, upcast to fp32 by the train step), so rounding it to bf16 changes nothing."""

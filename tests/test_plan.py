@@ -136,6 +136,11 @@ def test_activations_without_remat_keep_every_layer(capsys):
     assert on["activations_bytes"] == inputs + on["transport_kept_bytes"] + block + head
     assert off["activations_bytes"] == inputs + layers * block + head and off["transport_kept_bytes"] == 0
     assert on["fits_hbm"] and not off["fits_hbm"]
+    # all-to-all bytes a step: forward + backward, and what a remat re-forward reruns (nothing it keeps)
+    nothing = plan(replace(cfg, train=replace(cfg.train, remat_saves="nothing")), CLUSTERS["gb200-nvl72x11"])
+    for r, per_wave in ((off, 4), (on, 4), (nothing, 6)):
+        tr = r["transport"]
+        assert tr["a2a_per_wave"] == per_wave and tr["bytes_per_step"] == per_wave / 2 * layers * tr["bytes_per_layer_fwd"]
     assert main(["plan", "d2048", "--set", "train.remat=false"]) == 1
     out = capsys.readouterr().out
     assert "activations (no remat, estimate)" in out and f"x L = {layers}" in out and "DOES NOT FIT" in out

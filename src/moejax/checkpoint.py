@@ -237,14 +237,14 @@ def _is_empty(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype") and 0 in x.shape
 
 
-def _without_empty(tree: Any) -> Any:
+def without_empty(tree: Any) -> Any:
     """Zero-size arrays as None: they hold nothing, and orbax refuses to save them (a model with
     `model.n_shared=0` has [L, 0, D, Fs] shared-expert stacks, and the optimizer moments to match)."""
     return jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
 
 
-def _with_empty(target: Any, restored: Any) -> Any:
-    """`restored` (saved `_without_empty`) with the target's zero-size arrays put back."""
+def with_empty(target: Any, restored: Any) -> Any:
+    """`restored` (saved `without_empty`) with the target's zero-size arrays put back."""
     def leaf(t, r):
         if not _is_empty(t):
             return r
@@ -304,8 +304,8 @@ def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = N
     target = abstract_target(abstract_state, shardings)
     try:
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-            state = _with_empty(target, ckptr.restore(step_dir / STATE,
-                                                      args=ocp.args.StandardRestore(_without_empty(target))))
+            state = with_empty(target, ckptr.restore(step_dir / STATE,
+                                                      args=ocp.args.StandardRestore(without_empty(target))))
     except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
         raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
     return state, meta
@@ -435,7 +435,7 @@ class CheckpointManager:
                 _delete_checkpoint(path)
             path.mkdir()
             atomic_write(path / METADATA, meta)
-        self._ckptr.save(path / STATE, args=ocp.args.StandardSave(_without_empty(state)))  # all processes
+        self._ckptr.save(path / STATE, args=ocp.args.StandardSave(without_empty(state)))  # all processes
         self._last_save_time = self._clock()
         self._commit_thread = threading.Thread(target=self._commit, args=(step, path), name=f"ckpt-commit-{step}")
         self._commit_thread.start()

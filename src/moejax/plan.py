@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from moejax import accounting
-from moejax.config import ConfigError, RunConfig
+from moejax.config import ALL_TO_ALLS_PER_WAVE, ConfigError, RunConfig
 from moejax.parallel.mesh import BATCH_AXES, MESH_AXES, abstract_mesh
 
 GB = 1e9
@@ -129,12 +129,15 @@ def transport_numbers(cfg: RunConfig, tokens_per_device: int) -> dict | None:
     args = (tokens_per_device, m.top_k, p.expert, e_loc, p.waves, p.cf_send, p.cf_recv)
     lat, full = transport_sizes(*args, m.latent_width, dt), transport_sizes(*args, m.d_model, dt)
     per_layer = 2 * p.waves * lat.bytes_per_wave  # dispatch + return, every wave (forward)
+    a2a = ALL_TO_ALLS_PER_WAVE[cfg.train.remat_saves] if cfg.train.remat else ALL_TO_ALLS_PER_WAVE["transport"]
     return {"local_experts": e_loc, "assignments": lat.assignments, "P": lat.send_pool, "R": lat.recv_capacity,
             "header_rows": lat.header_rows, "header_digits": lat.header_digits, "rows_per_wave": lat.rows_per_wave,
             "bytes_per_wave": lat.bytes_per_wave, "bytes_per_wave_full_width": full.bytes_per_wave,
             "bytes_per_layer_fwd": per_layer,
-            # forward + block-remat re-forward + backward (the transposed all_to_alls)
-            "bytes_per_step": 3 * m.n_layers * per_layer, "expert_rows_per_wave": lat.expert_rows_per_wave,
+            # forward + backward (the transposed all_to_alls) + what a block-remat re-forward reruns: per wave
+            # ALL_TO_ALLS_PER_WAVE[remat_saves] of them with remat, 4 without; per_layer counts the forward's 2
+            "a2a_per_wave": a2a, "bytes_per_step": a2a / 2 * m.n_layers * per_layer,
+            "expert_rows_per_wave": lat.expert_rows_per_wave,
             "waves": p.waves}
 
 
@@ -290,8 +293,9 @@ def format_plan(r: dict) -> str:
                   f"per expert id)",
                   f"  rows per wave S*(M+P) = {tr['rows_per_wave']:,}; bytes per wave {g(tr['bytes_per_wave'])} at "
                   f"latent width ({g(tr['bytes_per_wave_full_width'])} at full width d)",
-                  f"  per layer fwd 2 x W x wave = {g(tr['bytes_per_layer_fwd'])}; per step (fwd + remat + bwd) "
-                  f"3 x L x layer = {g(tr['bytes_per_step'])}"]
+                  f"  per layer fwd 2 x W x wave = {g(tr['bytes_per_layer_fwd'])}; per step {tr['a2a_per_wave']} "
+                  f"all-to-alls a wave (fwd + bwd{' + remat' if tr['a2a_per_wave'] > 4 else ''}): "
+                  f"{tr['a2a_per_wave']}/2 x L x layer = {g(tr['bytes_per_step'])}"]
     lines += ["context phases (tokens per step fixed; per device: attention working set, all activations, HBM)",
               f"  {'from step':>10} {'seq_len':>8} {'seqs':>6} {'CP':>3} {'rows':>6} {'chunk':>7} {'cf s/r':>10} "
               f"{'attention':>11} {'activations':>12} {'HBM':>10}  fits"]

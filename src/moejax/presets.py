@@ -20,7 +20,7 @@ HERO_MEMORY = dict(loss_vocab_block=16_384, attn_q_block=512)
 # The hero's remat keeps nothing of the transport: kept, its all-to-all results take 356 GB per device (both
 # directions; 178 GB the dispatch ones alone) over the 48 layers at 65,536 tokens per device — more than a
 # GB200 has (XLA's memory plan, docs/LOG.md 2026-12-01, fourth session). The backward then reruns the
-# forward's 2W all-to-alls per layer (18 per layer instead of 12). The ladder rungs keep them (7-54 GB).
+# forward's 2W all-to-alls per layer (18 per layer instead of 12). d2048, the one rung with remat, keeps them.
 HERO_REMAT_SAVES = "nothing"
 # The seed's context extension (SPEC §5): 4K (twice the sequences per batch, for expert balancing) -> 8K
 # at 50%, -> 65K at 95%, a 262K phase near the end, tokens per step fixed. The 262K phase has 176

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from moejax.checkpoint import (MARKER, METADATA, STATE, CheckpointError, IncompatibleCheckpointError, check_compatible,
-                               list_checkpoints)
+                               list_checkpoints, with_empty, without_empty)
 from moejax.config import ConfigError, RunConfig
 from moejax.model.transformer import Transformer
 from moejax.train.state import compute_copy
@@ -85,14 +85,15 @@ def restore_weights(step_dir: Path, cfg: RunConfig, which: str = "compute") -> T
         model = jax.eval_shape(lambda m: compute_copy(m, jnp.dtype(cfg.model.compute_dtype)), model)
     dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), {which: model})
-    args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+    saved = without_empty(target)  # zero-size arrays (model.n_shared=0) were never saved: put back below
+    args = ocp.args.PyTreeRestore(item=saved, restore_args=ocp.checkpoint_utils.construct_restore_args(saved),
                                   partial_restore=True)
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
             out = ckptr.restore(step_dir / STATE, args=args)
     except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
         raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
-    return out[which]
+    return with_empty(target, out)[which]
 
 
 def load_run(run_dir: str | Path, step: int | None = None, which: str = "compute") -> Loaded:

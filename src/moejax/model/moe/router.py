@@ -63,17 +63,18 @@ def logits_bf16_matmul(m_TD: Float[Array, "T D"], router_DE: Float[Array, "D E"]
 
 
 def _logits_fwd(m_TD, router_DE):
-    return logits_bf16_matmul(m_TD, router_DE), (m_TD, router_DE.astype(jnp.bfloat16))
+    return logits_bf16_matmul(m_TD, router_DE), (m_TD, router_DE)  # the weight as given: its dtype is dW's
 
 
 def _logits_bwd(res, g_TE):
-    m_TD, w_DE = res
+    m_TD, router_DE = res
+    w_DE = router_DE.astype(jnp.bfloat16)
     g1, g2, g3 = _bf16_parts(g_TE, 3)
     dw_D3E = jnp.einsum("td,te->de", m_TD, _side_by_side([g1, g2, g3]), preferred_element_type=jnp.float32)
     dw_DE = functools.reduce(lambda acc, block: acc + block, jnp.split(dw_D3E, 3, axis=-1)[::-1])  # smallest first
     dm_TD = jnp.einsum("te,de->td", _side_by_side([g1, g2]), _side_by_side([w_DE, w_DE]),
                        preferred_element_type=jnp.float32)
-    return dm_TD.astype(m_TD.dtype), dw_DE
+    return dm_TD.astype(m_TD.dtype), dw_DE.astype(router_DE.dtype)
 
 
 logits_bf16_matmul.defvjp(_logits_fwd, _logits_bwd)
