@@ -2,9 +2,12 @@
 # Everything issue 11 needs from one GPU session, unattended, each part time-limited (~24 minutes of limits
 # in all, so with a 10-minute limit per command and 15 minutes of device time, run the parts that matter as
 # calls on one warm machine, back to back: it is given back after 30 s idle). Next session (after the
-# twenty-third, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
-# to 240 s), then PARTS="fast" (up to 330 s), then, with device time left, PARTS="step" (d1024, where the
-# twenty-third session's router and Newton-Schulz changes are largest; its capacity path runs now).
+# twenty-fourth, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
+# to 240 s; by the deviceless roofline the rows-in-the-kernels grouped GEMM is at 0.88 / 0.79 of the dense
+# dot at E = 64 / 384, against 0.55 / 0.47 for the default path), then PARTS="fast" (up to 330 s), then,
+# with device time left, PARTS="d1024" (the rung in the run's default layout, unrolled without remat: 86 GB,
+# roofline 255 ms against 305 ms scanned with remat, never timed) or PARTS="step" (d1024 scanned with remat,
+# both paths; its capacity path runs since the twenty-third session).
 #   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references (the
 #            grouped kernels also with the rows read and written in place: MOEJAX_GROUPED_ROWS);
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target): the default
@@ -15,6 +18,7 @@
 #   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (49 GB):
 #            the local path, the local path with the rows in the kernels (the A/B that decides
 #            MOEJAX_GROUPED_ROWS's default), then the capacity path;
+#   d1024    bench_gpu.py: the d1024 rung's local path in the run's default layout (unrolled, no remat);
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile (d1024's capacity
 #            path runs since the twenty-third session: two-digit expert ids in the transport header);
 #   ab       bench_gpu.py --paths local,local-rows on G in the default layout (scanned, remat).
@@ -25,7 +29,7 @@
 # CPU check of the script itself (small shapes, ~2 minutes):  SMOKE=1 bash bench/gpu_session.sh
 set -u
 out="${OUT:-bench_out}"
-parts="${PARTS:-check fast step grouped flash ab}"
+parts="${PARTS:-check fast d1024 step grouped flash ab}"
 mkdir -p "$out"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # peak-memory figures from the allocator, not a 75% preallocation
@@ -61,6 +65,8 @@ part flash 120 python bench/bench_flash.py "${flash_args[@]}"
 # layout (never timed there: it started after the local case and ran out of the part's limit before)
 part fast 330 python bench/bench_gpu.py --shapes G --paths local,local-rows,capacity --unrolled --no-remat \
   --steps 4 --budget-s 200 "${step_args[@]}"
+part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled --no-remat --steps 4 --budget-s 120 \
+  "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --no-profile --steps 4 --budget-s 120 \
   "${step_args[@]}"
