@@ -1,7 +1,8 @@
 """One accelerator benchmark (issue 11): step time, tokens/s, MFU, peak memory and the top device kernels of
 the project's own train step (hero optimizer, synthetic packed batches), for two shapes and both MoE paths,
-in the memory-lean layout timed since the nineteenth session (layers scanned, remat on; `--unrolled`,
-`--no-remat` for the fast one, the run default being unrolled without remat). Runs unattended and stops starting new cases after `--budget-s` seconds.
+in the memory-lean layout timed since the nineteenth session (layers scanned, remat on; `--unrolled
+--no-remat` for the run's default, the fast one). Runs unattended and stops starting new cases after
+`--budget-s` seconds.
 
 Shapes:
   G      d_model 1024, 12 layers, 8 heads x 128, 64 experts top-8, expert width = latent = 512,

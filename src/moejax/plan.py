@@ -254,6 +254,7 @@ def verdict(r: dict) -> str:
 def format_plan(r: dict) -> str:
     g = lambda b: f"{b / GB:,.2f} GB"
     mesh = ", ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    per_layer = sum(r[k] for k in ("attention_bytes", "moe_bytes", "shared_bytes", "router_bytes"))
     lines = [f"moejax plan: {r['preset']} on {r['cluster']} ({r['device']})",
              f"  mesh ({mesh}) = {r['devices']} devices of {r['cluster_devices']}; batch over "
              f"{'x'.join(BATCH_AXES)}; {r['tokens_per_device']:,} tokens per device",
@@ -267,9 +268,8 @@ def format_plan(r: dict) -> str:
              f"  {'activations (' + ('per-block remat' if r['remat'] else 'no remat') + ', estimate)':<40}"
              f"{g(r['activations_bytes']):>14}",
              f"    {'block inputs kept':<38}{g(r['block_inputs_bytes']):>14}  L x T x d x 2 B",
-             *([] if r["remat"] else [f"    {'each layer keeps (no remat)':<38}"
-                                      f"{g((r['activations_bytes'] - r['block_inputs_bytes'] - r['lm_head_logits_bytes']) / r['blocks_live']):>14}"
-                                      f"  x L = {r['blocks_live']}: the four working sets below"]),
+             *([] if r["remat"] else [f"    {'each layer keeps (no remat)':<38}{g(per_layer):>14}  x L = "
+                                      f"{r['blocks_live']}: the four working sets below"]),
              *([f"    {'transport results kept':<38}{g(r['transport_kept_bytes']):>14}  L x "
                 f"{'2W' if r['remat_saves'] == 'transport' else 'W'} x bytes/wave (train.remat_saves="
                 f"{r['remat_saves']})"] if r["transport_kept_bytes"] else []),
