@@ -40,6 +40,7 @@ def test_count_json_hero(capsys):
     (["train", "--run-dir", "RUN", "--set", "train.optimizer=adam", "--set", "train.learning_rate=inf"],
      "learning_rate (inf) must be a finite number"),
     (["train", "--run-dir", "RUN", "--set", "train.batch_size=4"], "no --mesh: the default trains data-parallel on all 8"),
+    (["train", "--run-dir", "RUN", "--mesh", "data=2,data=4"], "--mesh 'data=2,data=4' gives data twice (2 and 4)"),
     (["train", "--run-dir", "RUN", "--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
      "--process-id (2) must be in [0, --num-processes=2)"),
     (["train", "--run-dir", "RUN", "--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"],

@@ -4,6 +4,7 @@
 import gzip
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -61,6 +62,28 @@ def test_round_trip_text_tokens_text(corpus, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "s2", "store"]
 
 
+def test_a_stores_identity_is_its_tokens_not_its_path_or_date(corpus, tmp_path):
+    """What a resume compares (`run_dir.check_same_data`): a copy elsewhere, made at another time, is the same
+    store; the same sources under another tokenizer are not."""
+    assert _prepare_cli(corpus, tmp_path / "a") == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps({**m, "created": "1999-01-01T00:00:00Z"}))
+    ident = lambda name: open_store(str(tmp_path / name)).describe()["identity"]
+    assert ident("a") == ident("b")
+    prepare({"a": [str(corpus / "a0.txt")], "b": [str(corpus / "b.jsonl")]}, "bpe:300", str(tmp_path / "c"),
+            ReadOptions(text_field="body"), progress=False)
+    assert ident("c") != ident("a")
+
+
+def test_a_deleted_store_file_is_named_missing(corpus, tmp_path):
+    assert _prepare_cli(corpus, tmp_path / "s") == 0
+    (tmp_path / "s" / "b" / "doc_offsets.npy").unlink()
+    for verify in (True, False):
+        with pytest.raises(StoreError, match=r"store file .*b/doc_offsets.npy is missing"):
+            open_store(str(tmp_path / "s"), verify=verify)
+
+
 def test_text_split_directory_and_overwrite(corpus, tmp_path):
     out = tmp_path / "s"
     prepare({"t": [str(corpus)]}, "bpe:300", str(out), ReadOptions(text_field="body", split="paragraph"),
@@ -104,6 +127,11 @@ BAD_PREPARE = [  # (files to write, --source value, extra args, words expected i
     ({"c.jsonl.gz": gzip.compress(b'{"text": "fine"}\n' * 200)[:-30]}, "a=c.jsonl.gz", [],
      "c.jsonl.gz: corrupt or truncated gzip data"),
     ({"c.txt.gz": b"\x1f\x8b\x08\x00" + bytes(range(256))}, "a=c.txt.gz", [], "c.txt.gz: corrupt or truncated gzip"),
+    # found by a CLI sweep (docs/LOG.md 2026-12-04, twenty-fourth session): a traceback, or a store that was unusable
+    ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "bpe:99999999999999999999999"], "VOCAB must be an integer from 257"),
+    ({"t.txt": b"hi"}, "a=t.txt", ["--tokenizer", "bpe:\u00b2"], "VOCAB must be an integer from 257"),
+    ({}, "a=,", [], "--source 'a=,' names no file"),
+    ({"t.txt": b"hi", "u.txt": b"ho"}, "a=t.txt,u.txt,t.txt", [], "t.txt is read twice (source 'a')"),
 ]
 
 

@@ -40,3 +40,38 @@ def test_ladder_cli_errors(tmp_path, capsys):
     assert "no micro-ladder rung at width 33" in capsys.readouterr().err
     assert main(["ladder", "plan"]) == 0
     assert "0.423%" in capsys.readouterr().out
+
+
+def _results(path, rows):
+    """results.csv with RESULT_FIELDS and these rows (dicts of some fields; the rest a plausible default)."""
+    base = {k: "1.0" for k in RESULT_FIELDS}
+    with open(path / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULT_FIELDS)
+        w.writeheader()
+        for i, r in enumerate(rows):
+            w.writerow({**base, "name": f"micro-d{32 + 16 * i}", "status": "ok", "flops": str(10.0 ** (12 + i)),
+                        "final_loss": str(4.0 - 0.3 * i), "eval_loss": str(4.1 - 0.3 * i), **r})
+
+
+def test_ladder_fit_bad_results_are_one_line(tmp_path, capsys):
+    """Found by a CLI sweep (docs/LOG.md 2026-12-04, twenty-fourth session): an edited results.csv, a NaN in the
+    fitted loss column and an infinite target were tracebacks or nonsense; each is one line, exit 2, or left out."""
+    _results(tmp_path, [{}, {"final_loss": "abc"}, {}])
+    assert main(["ladder", "fit", str(tmp_path), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert "results.csv line 3: final_loss is 'abc', not a number" in err and err.count("\n") == 1
+    (tmp_path / "results.csv").write_text("name,flops\nmicro-d32,1e12\n")
+    assert main(["ladder", "fit", str(tmp_path), "--no-plots"]) == 2
+    assert "lacks the column(s)" in capsys.readouterr().err
+    # a rung with a NaN eval loss is left out of an eval-loss fit (its final loss is finite), not fitted
+    _results(tmp_path, [{}, {"eval_loss": "nan"}, {}, {}])
+    assert main(["ladder", "fit", str(tmp_path), "--loss", "eval_loss", "--no-plots"]) == 0
+    assert "ladder fit: 3 of 4 rungs on eval_loss" in capsys.readouterr().out
+    assert main(["ladder", "fit", str(tmp_path), "--target-flops", "inf", "--no-plots"]) == 2
+    assert "must be positive and finite" in capsys.readouterr().err
+
+
+def test_ladder_run_out_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["ladder", "run", "--out", str(tmp_path / "afile"), "--widths", "32", "--steps", "2"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err

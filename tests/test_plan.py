@@ -1,5 +1,6 @@
 """`moejax plan`: the hero's numbers against hand calculation, too-small clusters, and lowering the step."""
 
+import json
 import math
 from dataclasses import replace
 
@@ -82,6 +83,17 @@ def test_cli_exit_codes(capsys):
     assert capsys.readouterr().err.endswith("--phase 999: not a context phase of tiny (128)\n")
     assert main(["plan", "tiny", "--phase", "128"]) == 2
     assert "needs --lower or --compile" in capsys.readouterr().err
+
+
+def test_plan_lays_a_one_device_preset_out_as_train_would(capsys):
+    """No --mesh: data-parallel on every device of the cluster, as `train` does on a host (a CLI sweep found
+    `plan tiny --cluster h100x8` planning one GPU of eight), or the same one-line refusal."""
+    assert main(["plan", "tiny", "--cluster", "h100x8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"] == {"replica_dcn": 1, "data": 8, "expert": 1, "model": 1}
+    assert main(["plan", "tiny", "--cluster", "gb200-nvl72x11"]) == 2
+    assert "not divisible by 704" in capsys.readouterr().err
+    assert main(["plan", "tiny", "--cluster", "h100x8", "--mesh", "data=2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"]["data"] == 2
 
 
 def test_lower_hero_on_704_device_abstract_mesh():

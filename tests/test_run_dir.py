@@ -201,6 +201,26 @@ def test_a_run_may_change_how_the_step_is_laid_out(tmp_path):
     assert saved["remat"] is True and saved["scan_layers"] is True
 
 
+def test_a_resume_needs_the_data_it_trained_on(tmp_path):
+    """A store prepared again at the same path (other tokenizer, other ids) is refused on resume, config.json
+    left as it was; the same store moved elsewhere resumes. A CLI sweep found resumes going on with another
+    tokenizer's ids (docs/LOG.md 2026-12-04, twenty-fourth session)."""
+    run = tmp_path / "run"
+    _fake_run(run)
+    trained = {"path": "stores/a", "tokenizer": "bpe:512", "vocab_size": 401, "identity": "a" * 64}
+    (run / "run_info.json").write_text(json.dumps({"data": trained}))
+    before = (run / "config.json").read_text()
+    other = {**trained, "tokenizer": "bpe:300", "vocab_size": 300, "identity": "b" * 64}
+    with pytest.raises(RunError, match=r"trained on other data: stores/a \(bpe:512, 401 ids, identity a{12}\) then, "
+                                       r"stores/a \(bpe:300, 300 ids, identity b{12}\) now"):
+        prepare_run_dir(run, CFG, overwrite=False, data=other)
+    assert (run / "config.json").read_text() == before
+    moved = apply_overrides(CFG, ["data.store=/elsewhere/a", "data.prefetch=0"])  # same tokens, another place
+    assert prepare_run_dir(run, moved, overwrite=False, data={**trained, "path": "/elsewhere/a"}) is True
+    (run / "run_info.json").write_text(json.dumps({"data": {"path": "stores/a"}}))  # recorded before identities
+    assert prepare_run_dir(run, CFG, overwrite=False, data=other) is True
+
+
 def test_a_checkpoint_with_non_finite_weights_is_unusable():
     from types import SimpleNamespace
 

@@ -53,21 +53,15 @@ def _resolve(args):
 
 
 def _default_mesh(cfg, args):
-    """No --mesh and a preset laid out on one device: use every device as data parallel (data=N), rather
-    than silently training on one GPU of eight. Presets with their own mesh (ladder rungs, hero) keep it.
-    config.json records the mesh used (parallel.data)."""
-    if args.mesh or cfg.parallel.n_devices != 1:
+    """Without --mesh, a one-device preset trains data-parallel on every device of the job
+    (`mesh.default_data_parallel`); config.json records the mesh used (parallel.data)."""
+    if args.mesh:
         return cfg
     import jax
 
-    n = jax.device_count()
-    if n == 1:
-        return cfg
-    if cfg.train.batch_size % n:
-        raise ConfigError(f"no --mesh: the default trains data-parallel on all {n} devices, but train.batch_size "
-                          f"({cfg.train.batch_size}) is not divisible by {n}; pass --mesh data=K (K divides it) "
-                          f"or a batch size divisible by {n}")
-    return replace(cfg, parallel=replace(cfg.parallel, data=n))
+    from moejax.parallel.mesh import default_data_parallel
+
+    return default_data_parallel(cfg, jax.device_count())
 
 
 def _report_every(timeout_s: float) -> float:

@@ -181,6 +181,7 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, 
             "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo,
             "attention_kv_context_bytes": kv_ext, "moe_bytes": moe, "transport_kept_bytes": transport_kept,
             "remat": bool(t.remat), "remat_saves": t.remat_saves, "blocks_live": blocks_live,
+            "scan_layers": t.scan_layers,
             "shared_bytes": shared, "router_bytes": router, "lm_head_logits_bytes": head,
             "activations_bytes": kept + transport_kept + blocks_live * (attn + moe + shared + router) + head}
 
@@ -270,6 +271,9 @@ def format_plan(r: dict) -> str:
              f"    {'block inputs kept':<38}{g(r['block_inputs_bytes']):>14}  L x T x d x 2 B",
              *([] if r["remat"] else [f"    {'each layer keeps (no remat)':<38}{g(per_layer):>14}  x L = "
                                       f"{r['blocks_live']}: the four working sets below"]),
+             *([f"    {'':<38}{'':>14}  not counted: with the layers scanned (train.scan_layers) XLA also "
+                "copies them into per-layer stacks (shape G on an H200: 76 GB scanned, 49 unrolled; --compile "
+                "shows XLA's plan)"] if r["scan_layers"] and not r["remat"] else []),
              *([f"    {'transport results kept':<38}{g(r['transport_kept_bytes']):>14}  L x "
                 f"{'2W' if r['remat_saves'] == 'transport' else 'W'} x bytes/wave (train.remat_saves="
                 f"{r['remat_saves']})"] if r["transport_kept_bytes"] else []),

@@ -7,6 +7,7 @@ pickling text across processes. The BPE for `bpe:VOCAB` is trained on all source
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,15 +31,31 @@ def parse_source_args(items: list[str]) -> dict[str, list[str]]:
         if name in out:
             raise SourceError(f"--source {name!r} is given twice")
         out[name] = [p for p in paths.split(",") if p]
+        if not out[name]:
+            raise SourceError(f"--source {item!r} names no file")
     if not out:
         raise SourceError("at least one --source NAME=PATH is required")
     return out
+
+
+def _refuse_repeated_files(files: dict[str, list[str]]) -> None:
+    """A file read twice (named twice, in two sources, or inside a named directory) would put its documents in
+    twice, and the held-out split of one copy into the training set of the other."""
+    seen: dict[str, str] = {}
+    for name, fs in files.items():
+        for f in fs:
+            key = f if f == "builtin:kjv" else os.path.realpath(f)
+            if key in seen:
+                where = f"source {name!r}" if seen[key] == name else f"sources {seen[key]!r} and {name!r}"
+                raise SourceError(f"{f} is read twice ({where}); name each file once")
+            seen[key] = name
 
 
 def prepare(sources: dict[str, list[str]], tokenizer_spec: str, out: str, opts: ReadOptions = ReadOptions(),
             overwrite: bool = False, progress: bool = True, batch_bytes: int = 1 << 22) -> dict:
     """Build the store at `out`; returns its manifest. Nothing is left at `out` (or beside it) on failure."""
     files = {name: expand_paths(paths) for name, paths in sources.items()}  # fail on missing files first
+    _refuse_repeated_files(files)
     try:
         writer = StoreWriter(Path(out), overwrite)
     except OSError as e:  # a read-only or full disk: one line

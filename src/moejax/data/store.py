@@ -231,8 +231,16 @@ class Store:
 
     def describe(self) -> dict:
         return {"path": self.path, "tokenizer": self.tokenizer_spec, "vocab_size": self.vocab_size,
-                "eos_id": self.eos_id, "sources": {n: {"documents": s.n_docs, "tokens": s.n_tokens}
-                                                   for n, s in self.sources.items()}}
+                "eos_id": self.eos_id, "identity": data_identity(self.manifest),
+                "sources": {n: {"documents": s.n_docs, "tokens": s.n_tokens} for n, s in self.sources.items()}}
+
+
+def data_identity(manifest: dict) -> str:
+    """sha256 of what a store holds: its tokenizer and the checksum of every data file, not where it lies or
+    when it was made. A resume checks it (`run_dir.check_same_data`): the same tokens, wherever the store is."""
+    core = {"tokenizer": manifest.get("tokenizer"), "files": manifest.get("sha256", {}),
+            "sources": {n: s.get("sha256", {}) for n, s in manifest.get("sources", {}).items()}}
+    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
 
 def open_store(path: str, verify: bool = False) -> Store:
@@ -288,7 +296,9 @@ def _verify_checksums(root: Path, m: dict) -> None:
     for name, info in m["sources"].items():
         expected.update({f"{name}/{f}": h for f, h in info.get("sha256", {}).items()})
     for rel, want in sorted(expected.items()):
-        got = sha256_file(root / rel) if (root / rel).is_file() else "missing"
+        if not (root / rel).is_file():
+            raise StoreError(f"store file {root / rel} is missing (the manifest lists it)")
+        got = sha256_file(root / rel)
         if got != want:
             raise StoreError(f"{root / rel}: sha256 {got[:16]} does not match the manifest's {want[:16]}")
 

@@ -139,13 +139,17 @@ def llama3_model_path() -> str:
     return str(path)
 
 
+MAX_VOCAB = 2**31 - 1
+
+
 def tokenizer_from_spec(spec: str, training_docs=None):
     """`bpe:VOCAB` (trained on `training_docs()`, an iterable factory), a tokenizer.json path, or `llama3`.
     Raises ValueError with a one-line message for a bad spec."""
     if spec.startswith("bpe:"):
         vocab = spec[4:]
-        if not vocab.isdigit() or int(vocab) < 257:
-            raise ValueError(f"tokenizer {spec!r}: VOCAB must be an integer >= 257 (256 bytes + EOS)")
+        if not vocab.isdecimal() or not 257 <= int(vocab) <= MAX_VOCAB:
+            raise ValueError(f"tokenizer {spec!r}: VOCAB must be an integer from 257 (256 bytes + EOS) to "
+                             f"{MAX_VOCAB:,} (token ids are int32)")
         return HFTokenizer(train_bpe(training_docs(), int(vocab)), spec)
     if spec == "llama3":
         return TiktokenTokenizer(llama3_model_path(), spec)

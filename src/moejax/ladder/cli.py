@@ -54,7 +54,7 @@ def _cmd_ladder_run(args) -> int:
 
 
 def _cmd_ladder_fit(args) -> int:
-    from moejax.ladder.fit import fit_ladder, format_fit, plot_ladder
+    from moejax.ladder.fit import fit_ladder, format_fit, plot_ladder, usable
     from moejax.ladder.micro import read_results
     from moejax.ladder.rungs import hero_train_flops
 
@@ -62,15 +62,15 @@ def _cmd_ladder_fit(args) -> int:
     rows = read_results(out)
     if not rows:
         raise ConfigError(f"no results.csv (or no rows) in {out}; run `moejax ladder run --scale cpu --out {out}`")
-    usable = [r for r in rows if r.get("status", "ok") == "ok" and math.isfinite(float(r.get(args.loss, math.nan)))]
-    if len(usable) < MIN_RUNGS:
-        bad = [r["name"] for r in rows if r not in usable]
-        raise ConfigError(f"ladder fit needs >= {MIN_RUNGS} usable rungs; {out / 'results.csv'} has {len(usable)}"
+    good = [r for r in rows if usable(r, args.loss)]
+    if len(good) < MIN_RUNGS:
+        bad = [r["name"] for r in rows if r not in good]
+        raise ConfigError(f"ladder fit needs >= {MIN_RUNGS} usable rungs; {out / 'results.csv'} has {len(good)}"
                           + (f" (unusable: {', '.join(bad)})" if bad else "")
                           + f"; run more with `moejax ladder run --out {out}`")
     target = args.target_flops if args.target_flops is not None else hero_train_flops()
-    if not target > 0:
-        raise ConfigError(f"--target-flops ({target}) must be positive")
+    if not 0 < target < math.inf:
+        raise ConfigError(f"--target-flops ({target}) must be positive and finite")
     res = fit_ladder(rows, target, args.loss)
     runs = {r["name"]: out / r["name"] for r in rows}
     res["plots"] = [] if args.no_plots else plot_ladder(rows, res, out, runs)
@@ -92,6 +92,10 @@ def _cmd_plan(args) -> int:
     if args.phase is not None and not (args.lower or args.compile):
         raise ConfigError(f"--phase {args.phase} needs --lower or --compile (the plan itself covers every phase)")
     cluster = CLUSTERS[args.cluster]
+    if not args.mesh:  # as `train` lays it out on the cluster's devices
+        from moejax.parallel.mesh import default_data_parallel
+
+        cfg = default_data_parallel(cfg, cluster.n_devices)
     r = plan(cfg, cluster, args.mfu)
     if args.compile:
         from moejax.cuda_aot import check_available

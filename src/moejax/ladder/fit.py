@@ -69,8 +69,9 @@ def fit_power_law(compute, loss) -> PowerLawFit:
     return PowerLawFit(E=e, A=a * c0 ** alpha, alpha=alpha, rmse=math.sqrt(s / c.size))
 
 
-def _ok(r: dict) -> bool:
-    return r.get("status", "ok") == "ok" and math.isfinite(float(r["final_loss"]))
+def usable(r: dict, loss_key: str = "final_loss") -> bool:
+    """A rung the fit takes: trained to the end (status ok) with a finite loss in `loss_key`."""
+    return r.get("status", "ok") == "ok" and math.isfinite(float(r.get(loss_key, math.nan)))
 
 
 def _off_trend(good: list[dict], loss_key: str) -> list[str]:
@@ -98,8 +99,8 @@ def anomalies(rows: list[dict], loss_key: str = "final_loss") -> list[str]:
     """Flags for a ladder's result rows (keys: name, flops, final_loss, max_grad_norm, drop_fraction, status)."""
     rows = sorted(rows, key=lambda r: float(r["flops"]))
     flags = [f"nonfinite: {r['name']} diverged or has a non-finite loss ({r.get('status')}, loss {r[loss_key]})"
-             for r in rows if not _ok(r)]
-    good = [r for r in rows if _ok(r)]
+             for r in rows if not usable(r, loss_key)]
+    good = [r for r in rows if usable(r, loss_key)]
     for a, b in zip(good, good[1:]):
         if float(b[loss_key]) >= float(a[loss_key]):
             flags.append(f"not_decreasing: {b['name']} loss {float(b[loss_key]):.4f} >= {a['name']} "
@@ -120,7 +121,7 @@ def anomalies(rows: list[dict], loss_key: str = "final_loss") -> list[str]:
 
 
 def fit_ladder(rows: list[dict], target_flops: float, loss_key: str = "final_loss") -> dict:
-    good = sorted((r for r in rows if _ok(r)), key=lambda r: float(r["flops"]))
+    good = sorted((r for r in rows if usable(r, loss_key)), key=lambda r: float(r["flops"]))
     out = {"n_rungs": len(rows), "n_fitted": len(good), "target_flops": target_flops,
            "anomalies": anomalies(rows, loss_key), "loss_key": loss_key}
     if len(good) >= 3:

@@ -59,8 +59,28 @@ def read_results(out: Path) -> list[dict]:
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [{k: (v if k in ("name", "status") else float(v)) for k, v in r.items()} for r in rows]
+        reader = csv.DictReader(f)
+        rows, header = list(reader), reader.fieldnames or []
+    missing = [k for k in RESULT_FIELDS if k not in header]
+    if missing:
+        raise ConfigError(f"{path} lacks the column(s) {', '.join(missing)}; it is not a `moejax ladder run` results "
+                          "file, or it was edited")
+    out = []
+    for line, r in enumerate(rows, start=2):
+        try:
+            out.append({k: (v if k in ("name", "status") else float(v)) for k, v in r.items() if k in RESULT_FIELDS})
+        except (TypeError, ValueError):
+            bad = next(k for k in RESULT_FIELDS if k not in ("name", "status") and not _is_float(r.get(k)))
+            raise ConfigError(f"{path} line {line}: {bad} is {r.get(bad)!r}, not a number") from None
+    return out
+
+
+def _is_float(v) -> bool:
+    try:
+        float(v)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _append_result(out: Path, row: dict) -> None:
@@ -110,8 +130,10 @@ def run_micro_ladder(out: Path, widths=None, steps: int | None = None, log=print
     from moejax.train.loop import RunError, RunOptions, train
 
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    widths = sorted(MICRO_SHAPES) if widths is None else list(widths)
+    widths = sorted(MICRO_SHAPES) if widths is None else list(dict.fromkeys(widths))  # each width once
     done = {int(r["width"]) for r in read_results(out)}
     peak = measure_matmul_peak()  # one peak for every rung, so their MFUs compare
     for d in widths:

@@ -15,6 +15,7 @@ per-matrix optimizer norms; the one manual region is the transport's `shard_map`
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -41,8 +42,23 @@ def parse_mesh(text: str) -> dict[str, int]:
         name, sep, value = item.partition("=")
         if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
             raise ConfigError(f"--mesh item {item!r} is not AXIS=N with AXIS one of {', '.join(MESH_AXES)} and N >= 1")
+        if name in out:
+            raise ConfigError(f"--mesh {text!r} gives {name} twice ({out[name]} and {value})")
         out[name] = int(value)
     return out
+
+
+def default_data_parallel(cfg, n_devices: int):
+    """A run laid out on one device, given no --mesh: every one of `n_devices` as data parallel (data=N), rather
+    than one GPU of eight. Presets with their own mesh (ladder rungs, hero) keep it. `train` (the job's devices)
+    and `plan` (the cluster's) both lay a run out this way."""
+    if cfg.parallel.n_devices != 1 or n_devices == 1:
+        return cfg
+    if cfg.train.batch_size % n_devices:
+        raise ConfigError(f"no --mesh: the default trains data-parallel on all {n_devices} devices, but "
+                          f"train.batch_size ({cfg.train.batch_size}) is not divisible by {n_devices}; pass --mesh "
+                          f"data=K (K divides it) or a batch size divisible by {n_devices}")
+    return replace(cfg, parallel=replace(cfg.parallel, data=n_devices))
 
 
 def mesh_overrides(mesh: str | None) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,7 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
     try:
         data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
         try:
-            resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary())
+            resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary(), data=data.describe())
             peak_info = job_peak(opts.peak_flops)
             peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
             if _primary():
@@ -311,6 +312,8 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
         if resuming:
             restored = ckpt.restore_latest(state, check=unusable_state)
             if restored is not None:
+                if _primary():
+                    print(f"moejax: resuming at step {int(restored[0].step)}", file=sys.stderr)
                 return restored[0]
         if init_from is not None:
             init_from = Path(init_from)

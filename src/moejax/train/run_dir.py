@@ -148,8 +148,10 @@ def clear_run_dir(run_dir: Path) -> list[str]:
     return [n for n in entries if not _written_by_moejax(n)]
 
 
-def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: bool = True) -> bool:
-    """Create the run dir and its config.json; True when it already holds this run (resume).
+def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: bool = True,
+                    data: dict | None = None) -> bool:
+    """Create the run dir and its config.json; True when it already holds this run (resume): the same config
+    up to what a restart may change, and (`data`: the loader's `describe()`) the same data.
     Only the primary process writes; the others only read what is there. Call with the RunLock held."""
     cfg_path = run_dir / "config.json"
     if not primary:
@@ -161,6 +163,8 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
         old = _json_dict(cfg_path)
         if old is None:
             raise RunError(f"run dir {run_dir} has an unreadable config.json; pass --overwrite to start it over")
+        if data is not None:
+            check_same_data(run_dir, data)
         _check_same_run(run_dir, old, cfg.to_dict())
         atomic_write(cfg_path, cfg.to_json())  # records the mesh (and steps) this restart runs with
         return True
@@ -180,14 +184,35 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
 # model, data and schedule may not, except that a run may be extended to more steps.
 RESTART_MAY_CHANGE = ("parallel", "alarms")
 TRAIN_MAY_CHANGE = ("remat", "scan_layers")
+# The store may move (its path is not what it holds: `check_same_data` compares its identity instead) and
+# the loader may prefetch more or less.
+DATA_MAY_CHANGE = ("store", "prefetch")
 
 
 def _comparable(d: dict) -> dict:
     def train(v: dict) -> dict:
         return {**{k: x for k, x in v.items() if k not in TRAIN_MAY_CHANGE}, "steps": None}
 
-    return {k: (train(v) if k == "train" and isinstance(v, dict) else v)
+    def data(v: dict) -> dict:
+        return {k: x for k, x in v.items() if k not in DATA_MAY_CHANGE}
+
+    section = {"train": train, "data": data}
+    return {k: (section[k](v) if k in section and isinstance(v, dict) else v)
             for k, v in d.items() if k not in RESTART_MAY_CHANGE}
+
+
+def check_same_data(run_dir: Path, data: dict) -> None:
+    """On a resume: the data (`Data.describe()`) must be what the run has trained on, as run_info.json recorded
+    it: the same tokenizer and token files (`store.data_identity`), wherever the store is now. A store prepared
+    again at the same path (another tokenizer, other sources) would change what every token id means. Runs
+    recorded before the identity existed are not checked."""
+    was = (_json_dict(run_dir / "run_info.json") or {}).get("data") or {}
+    if not was.get("identity") or was.get("identity") == data.get("identity"):
+        return
+    line = lambda d: (f"{d.get('path') or 'the embedded corpus'} ({d.get('tokenizer')}, {d.get('vocab_size')} ids, "
+                      f"identity {str(d.get('identity'))[:12]})")
+    raise RunError(f"run dir {run_dir} was trained on other data: {line(was)} then, {line(data)} now; "
+                   "give data.store the store it trained on, or choose another --run-dir")
 
 
 def _with_new_fields(old: dict, new: dict) -> dict:
