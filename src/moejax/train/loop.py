@@ -231,6 +231,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     t = cfg.train
     s = _setup(cfg, run_dir, opts, resuming, data, mesh, init_from)
     start = int(s.state.step)
+    if resuming and 0 < start < t.steps and _primary():
+        print(f"moejax: resuming {run_dir} at step {start} of {t.steps}", file=sys.stderr)
     totals = RunTotals()
     try:
         if _primary():  # rows of steps that run again (also after a crash before the first checkpoint), a torn line
@@ -312,8 +314,6 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
         if resuming:
             restored = ckpt.restore_latest(state, check=unusable_state)
             if restored is not None:
-                if _primary():
-                    print(f"moejax: resuming at step {int(restored[0].step)}", file=sys.stderr)
                 return restored[0]
         if init_from is not None:
             init_from = Path(init_from)
