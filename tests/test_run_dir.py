@@ -217,8 +217,10 @@ def test_a_resume_needs_the_data_it_trained_on(tmp_path):
     assert (run / "config.json").read_text() == before
     moved = apply_overrides(CFG, ["data.store=/elsewhere/a", "data.prefetch=0"])  # same tokens, another place
     assert prepare_run_dir(run, moved, overwrite=False, data={**trained, "path": "/elsewhere/a"}) is True
-    (run / "run_info.json").write_text(json.dumps({"data": {"path": "stores/a"}}))  # recorded before identities
-    assert prepare_run_dir(run, CFG, overwrite=False, data=other) is True
+    (run / "run_info.json").write_text(json.dumps({"data": {"path": "stores/a"}}))  # recorded before identities:
+    assert prepare_run_dir(run, moved, overwrite=False, data=other) is True  # not checked, and the path compared
+    with pytest.raises(RunError, match=r"data.store: '/elsewhere/a' there, 'stores/b' now"):
+        prepare_run_dir(run, apply_overrides(CFG, ["data.store=stores/b"]), overwrite=False, data=other)
 
 
 def test_a_checkpoint_with_non_finite_weights_is_unusable():

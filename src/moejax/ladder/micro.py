@@ -65,22 +65,14 @@ def read_results(out: Path) -> list[dict]:
     if missing:
         raise ConfigError(f"{path} lacks the column(s) {', '.join(missing)}; it is not a `moejax ladder run` results "
                           "file, or it was edited")
-    out = []
-    for line, r in enumerate(rows, start=2):
+    def number(line: int, key: str, value) -> float:
         try:
-            out.append({k: (v if k in ("name", "status") else float(v)) for k, v in r.items() if k in RESULT_FIELDS})
-        except (TypeError, ValueError):
-            bad = next(k for k in RESULT_FIELDS if k not in ("name", "status") and not _is_float(r.get(k)))
-            raise ConfigError(f"{path} line {line}: {bad} is {r.get(bad)!r}, not a number") from None
-    return out
+            return float(value)
+        except (TypeError, ValueError):  # a short row gives None
+            raise ConfigError(f"{path} line {line}: {key} is {value!r}, not a number") from None
 
-
-def _is_float(v) -> bool:
-    try:
-        float(v)
-        return True
-    except (TypeError, ValueError):
-        return False
+    return [{k: (r[k] if k in ("name", "status") else number(line, k, r[k])) for k in RESULT_FIELDS}
+            for line, r in enumerate(rows, start=2)]
 
 
 def _append_result(out: Path, row: dict) -> None:

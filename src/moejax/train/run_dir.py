@@ -163,9 +163,8 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
         old = _json_dict(cfg_path)
         if old is None:
             raise RunError(f"run dir {run_dir} has an unreadable config.json; pass --overwrite to start it over")
-        if data is not None:
-            check_same_data(run_dir, data)
-        _check_same_run(run_dir, old, cfg.to_dict())
+        same_data = data is not None and check_same_data(run_dir, data)
+        _check_same_run(run_dir, old, cfg.to_dict(), store_may_move=same_data)
         atomic_write(cfg_path, cfg.to_json())  # records the mesh (and steps) this restart runs with
         return True
     try:
@@ -184,31 +183,33 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
 # model, data and schedule may not, except that a run may be extended to more steps.
 RESTART_MAY_CHANGE = ("parallel", "alarms")
 TRAIN_MAY_CHANGE = ("remat", "scan_layers")
-# The store may move (its path is not what it holds: `check_same_data` compares its identity instead) and
-# the loader may prefetch more or less.
-DATA_MAY_CHANGE = ("store", "prefetch")
+# The loader may prefetch more or less; the store may move when its identity shows it holds the same tokens
+# (`check_same_data`), not otherwise (a run recorded before identities were).
+DATA_MAY_CHANGE = ("prefetch",)
 
 
-def _comparable(d: dict) -> dict:
+def _comparable(d: dict, store_may_move: bool = False) -> dict:
     def train(v: dict) -> dict:
         return {**{k: x for k, x in v.items() if k not in TRAIN_MAY_CHANGE}, "steps": None}
 
     def data(v: dict) -> dict:
-        return {k: x for k, x in v.items() if k not in DATA_MAY_CHANGE}
+        return {k: x for k, x in v.items() if k not in DATA_MAY_CHANGE and not (store_may_move and k == "store")}
 
     section = {"train": train, "data": data}
     return {k: (section[k](v) if k in section and isinstance(v, dict) else v)
             for k, v in d.items() if k not in RESTART_MAY_CHANGE}
 
 
-def check_same_data(run_dir: Path, data: dict) -> None:
+def check_same_data(run_dir: Path, data: dict) -> bool:
     """On a resume: the data (`Data.describe()`) must be what the run has trained on, as run_info.json recorded
     it: the same tokenizer and token files (`store.data_identity`), wherever the store is now. A store prepared
-    again at the same path (another tokenizer, other sources) would change what every token id means. Runs
-    recorded before the identity existed are not checked."""
+    again at the same path (another tokenizer, other sources) would change what every token id means. True when
+    the identities match; False for a run recorded before identities existed (its store path is compared)."""
     was = (_json_dict(run_dir / "run_info.json") or {}).get("data") or {}
-    if not was.get("identity") or was.get("identity") == data.get("identity"):
-        return
+    if not was.get("identity"):
+        return False
+    if was["identity"] == data.get("identity"):
+        return True
     line = lambda d: (f"{d.get('path') or 'the embedded corpus'} ({d.get('tokenizer')}, {d.get('vocab_size')} ids, "
                       f"identity {str(d.get('identity'))[:12]})")
     raise RunError(f"run dir {run_dir} was trained on other data: {line(was)} then, {line(data)} now; "
@@ -225,8 +226,8 @@ def _with_new_fields(old: dict, new: dict) -> dict:
     return out
 
 
-def _check_same_run(run_dir: Path, old: dict, new: dict) -> None:
-    diff = first_difference(_comparable(_with_new_fields(old, new)), _comparable(new))
+def _check_same_run(run_dir: Path, old: dict, new: dict, store_may_move: bool = False) -> None:
+    diff = first_difference(_comparable(_with_new_fields(old, new), store_may_move), _comparable(new, store_may_move))
     if diff:
         raise RunError(f"run dir {run_dir} already holds a different run ({diff}); "
                        "choose another --run-dir or pass --overwrite")
