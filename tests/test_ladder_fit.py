@@ -78,3 +78,14 @@ def test_plots_are_written(tmp_path):
     rows = clean_rows()
     paths = plot_ladder(rows, fit_ladder(rows, 1e21), tmp_path)
     assert len(paths) == 3 and all((tmp_path / p.split("/")[-1]).stat().st_size > 1000 for p in paths)
+
+
+def test_a_fit_that_pins_nothing_down_is_flagged():
+    """Losses linear in log C (rungs trained a few steps, as a CLI sweep's were) drive alpha to its search bound
+    and E below zero: both are flagged, so the projection is not taken at face value."""
+    rows = [{"name": f"r{i}", "flops": 10.0 ** (12 + i), "final_loss": 5.0 - 0.3 * i, "status": "ok"}
+            for i in range(4)]
+    flags = fit_ladder(rows, 1e24)["anomalies"]
+    assert any(f.startswith("fit_at_bound: alpha") for f in flags), flags
+    assert any(f.startswith("negative_floor: fitted loss floor E = -") for f in flags), flags
+    assert not [f for f in fit_ladder(clean_rows(6), 1e24)["anomalies"] if "bound" in f or "floor" in f]

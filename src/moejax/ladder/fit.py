@@ -11,7 +11,12 @@ Anomaly flags (each a one-line string naming the rung and the numbers):
 - off_trend: |loss - fit| > OFF_TREND_REL * fit, the fit made *without* that rung (leave-one-out, so a
   bad rung cannot pull the curve onto itself); worst rung first, removed, repeated while >= 4 remain;
 - grad_norm_growth: max grad norm of the largest rung > GRAD_GROWTH_FACTOR x that of the smallest;
-- drop_growth: drop fraction rises monotonically with scale by more than DROP_GROWTH_ABS overall.
+- drop_growth: drop fraction rises monotonically with scale by more than DROP_GROWTH_ABS overall;
+and of the fit itself:
+- fit_at_bound: alpha ends within 1% of its search range's edge, so the rungs do not pin a power law down;
+- negative_floor: E < 0, a loss floor no cross-entropy can have.
+Both mean the projection is not to be trusted (e.g. rungs trained for a few steps: losses still linear in
+log C, a CLI sweep's 3-step ladder gave alpha = 0.001 and E = -60).
 """
 
 from __future__ import annotations
@@ -128,6 +133,13 @@ def fit_ladder(rows: list[dict], target_flops: float, loss_key: str = "final_los
         fit = fit_power_law([float(r["flops"]) for r in good], [float(r[loss_key]) for r in good])
         out.update(E=fit.E, A=fit.A, alpha=fit.alpha, rmse=fit.rmse, projected_loss=float(fit(target_flops)),
                    extrapolation=target_flops / float(good[-1]["flops"]))
+        lo, hi = _ALPHA_RANGE
+        if fit.alpha < 1.01 * lo or fit.alpha > 0.99 * hi:
+            out["anomalies"].append(f"fit_at_bound: alpha {fit.alpha:.4g} is at the edge of its search range "
+                                    f"[{lo:g}, {hi:g}]: the rungs do not pin a power law down")
+        if fit.E < 0:
+            out["anomalies"].append(f"negative_floor: fitted loss floor E = {fit.E:.4g} < 0: the projection "
+                                    "is not to be trusted")
     return out
 
 
