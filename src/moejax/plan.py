@@ -164,9 +164,10 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, 
         moe = T * m.top_k * (m.latent_width + 3 * m.expert_width) * dt + T * m.latent_width * (dt + 4)
     # What block remat keeps of every layer's transport for the backward (train.remat_saves): both all-to-all
     # results of each wave, the dispatch ones, or none. XLA's own plan of the hero showed these as six
-    # [L, 64, P, latent] stacks; the working set above is one layer's.
-    kept_waves = {"transport": 2, "dispatch": 1, "nothing": 0}[t.remat_saves] * tr["waves"] if tr else 0
-    transport_kept = m.n_layers * kept_waves * tr["bytes_per_wave"] if tr else 0
+    # [L, 64, P, latent] stacks; the working set above is one layer's. Without remat they are in the L working
+    # sets below.
+    kept_waves = {"transport": 2, "dispatch": 1, "nothing": 0}[t.remat_saves] * tr["waves"] if tr and t.remat else 0
+    transport_kept = m.n_layers * kept_waves * tr["bytes_per_wave"] if kept_waves else 0
     shared = T * m.n_shared * 3 * m.shared_width * dt
     router = 2 * T * m.n_experts * 4  # fp32 logits + margins
     vocab = m.loss_vocab_block or m.vocab_size
@@ -175,8 +176,6 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, 
     # layer's intermediates, kept from the forward: L working sets (their transport results among them). Checked
     # against XLA's compiled peak on one H200 (docs/LOG.md 2026-12-04, twenty-fourth session).
     blocks_live = 1 if t.remat else m.n_layers
-    if not t.remat:
-        transport_kept = 0
     return {"tokens_per_device": T, "lm_head_vocab": vocab, "lm_head_streamed": bool(m.loss_vocab_block),
             "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo,
             "attention_kv_context_bytes": kv_ext, "moe_bytes": moe, "transport_kept_bytes": transport_kept,
