@@ -313,3 +313,45 @@ def test_prepare_into_an_unwritable_place_is_one_line(corpus, tmp_path, capsys):
     assert _prepare_cli(corpus, blocker / "store") == 2  # (chmod does not stop root; a file as parent does)
     err = capsys.readouterr().err
     assert err.startswith("moejax: error: cannot create the store") and err.count("\n") == 1
+
+
+
+def test_ctrl_c_while_the_tokenizer_trains_stops_at_once_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """tokenizers trains a BPE in Rust with the GIL released, but the main thread ran no signal handler until
+    the training returned: Ctrl-C waited for its end (minutes on a large corpus). The training now runs on a
+    worker thread, so the interrupt is acted on while it runs (here ~1.7 s of training, acted on in ~1 ms)."""
+    import signal
+    import threading
+    import time
+
+    from moejax.data import tokenizer
+
+    rng = np.random.default_rng(0)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", np.uint8)
+    words = [bytes(rng.choice(letters, size=rng.integers(3, 12))).decode() for _ in range(100_000)]
+    (tmp_path / "words.txt").write_text(" ".join(words))
+    started, cancel, sent = threading.Event(), threading.Event(), []
+    real_train = tokenizer.train_bpe
+
+    def train(*a):
+        started.set()
+        return real_train(*a)
+
+    def interrupt():
+        if started.wait(60) and not cancel.wait(0.2):
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(tokenizer, "train_bpe", train)
+    sender = threading.Thread(target=interrupt, daemon=True)
+    sender.start()
+    try:
+        rc = main(["data", "prepare", "--source", f"w={tmp_path / 'words.txt'}", "--tokenizer", "bpe:20000",
+                   "--out", str(tmp_path / "store"), "--no-progress"])
+        returned = time.monotonic()
+    finally:
+        cancel.set()
+        sender.join()
+    assert rc == 130 and capsys.readouterr().err == "moejax: interrupted\n"
+    assert returned - sent[0] < 0.5, f"the interrupt was acted on {returned - sent[0]:.2f} s after Ctrl-C"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["words.txt"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +38,35 @@ def train_bpe(docs: list[str], vocab_size: int) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer=trainer)
+    interruptible(tok.train_from_iterator, docs, trainer=trainer)
     return tok
+
+
+def interruptible(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` on a worker thread, the caller waiting in short slices.
+
+    Why: tokenizers' Rust calls (BPE training, batch encoding) release the GIL but keep the main thread out
+    of Python until they return, so Ctrl-C waited for the end of a training that can take minutes. Waiting
+    on an event in slices lets the signal handler run at once. (Not `Thread.join(timeout)`: CPython 3.11 marks
+    a running thread stopped when an exception interrupts its join.) An interrupted call is abandoned (a
+    daemon thread), not awaited; its exceptions reach the caller unchanged."""
+    out: dict = {}
+    done = threading.Event()
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller as is
+            out["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="moejax-tokenizer", daemon=True).start()
+    while not done.wait(0.1):
+        pass
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def bytes_per_token(tok: Tokenizer, vocab_size: int) -> np.ndarray:
@@ -74,7 +102,8 @@ class HFTokenizer:
         self.eos_token, self.eos_id = eos, tok.token_to_id(eos)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, np.int64) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        encoded = interruptible(self.tok.encode_batch, texts, add_special_tokens=False)
+        return [np.asarray(e.ids, np.int64) for e in encoded]
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
