@@ -1,5 +1,6 @@
 """Crashes and bad luck through the real CLI, on a 2-layer tiny model: no NaN checkpoint, SIGTERM before the
-first step exits 75, a full disk while checkpointing is one line at once, a finished run can be extended,
+first step exits 75 and one in or after the last step lets the run finish, a full disk while checkpointing is
+one line at once, a finished run killed before its summary is rebuilt and can be extended,
 and three kills (mid-save, mid-metrics-write, mid-step) resume to the uninterrupted run's exact trace.
 
 Every run shares one persistent XLA compilation cache and, where it can, one config (plain Adam, whose step
@@ -52,12 +53,30 @@ def test_three_kills_resume_to_the_exact_uninterrupted_run(tmp_path, cache):
     assert res["checkpoints_faulted"] == [2, 4, 6, 8] and res["no_checkpoint_lost"], res
 
 
-def test_finished_run_missing_summary_then_extended(tmp_path, cache):
+def test_finished_run_killed_before_its_summary_then_extended(tmp_path, cache):
+    """A kill after the final checkpoint but before summary.json (a node lost at the very end): the requeued
+    command rebuilds the summary from metrics.jsonl and exits 0; without the last step's row it can't, and
+    says so in one line. A larger --steps then extends the run."""
     run = tmp_path / "run"
-    assert train(cache, run, "--steps", "5", "--set", "train.checkpoint_every=2").returncode == 0
-    (run / "summary.json").unlink()
+    r = train(cache, run, "--steps", "5", "--set", "train.checkpoint_every=2",
+              fault_env={"MOEJAX_FAULT_KILL": "summary:5"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert not (run / "summary.json").exists()
+    assert [c.step for c in list_checkpoints(run) if c.complete] == [2, 4, 5]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    r = train(cache, run, "--steps", "5", "--set", "train.checkpoint_every=2")
+    assert r.returncode == 0 and r.stderr == f"moejax: {run / 'summary.json'} was missing; rebuilt from metrics.jsonl\n"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"], summary["first_loss"], summary["last_loss"]) == (5, rows[0]["train/loss"],
+                                                                                rows[-1]["train/loss"])
+    assert summary["wall_seconds"] == rows[-1]["time/wall_seconds"]
+
+    (run / "summary.json").unlink()  # and the last step's row torn off: nothing to rebuild from
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:-1]))
     r = train(cache, run, "--steps", "5", "--set", "train.checkpoint_every=2")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no summary.json in" in r.stderr, r.stderr[-2000:]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
     final = run / "checkpoints" / "step_00000005"
     inode = final.stat().st_ino
     r = train(cache, run, "--steps", "8", "--set", "train.checkpoint_every=2")
@@ -74,6 +93,19 @@ def test_sigterm_before_the_first_step_exits_75(tmp_path, cache):
     assert r.returncode == EXIT_PREEMPTED, r.stderr[-2000:]
     assert "preempted (SIGTERM) before the first step; nothing new to save" in r.stderr
     assert list_checkpoints(run) == [] and not (run / ".lock").exists()
+
+
+def test_sigterm_in_the_last_step_or_after_it_lets_the_run_finish(tmp_path, cache):
+    """The run's work is done: a SIGTERM in the last step, or while the final checkpoint commits, ends it as
+    usual (final checkpoint, summary, exit 0). It used to exit 75 with no summary, which no rerun could finish
+    ("no summary.json"), or to abandon the final checkpoint half-written."""
+    for name, env in [("last", {"MOEJAX_FAULT_SIGTERM_AT_STEP": "5"}), ("end", {"MOEJAX_FAULT_SIGTERM_AT_END": "1"})]:
+        run = tmp_path / name
+        r = train(cache, run, "--steps", "5", fault_env=env)
+        assert r.returncode == 0 and "preempted" not in r.stderr, (name, r.stderr[-2000:])
+        assert json.loads((run / "summary.json").read_text())["steps"] == 5
+        assert [(c.step, c.complete) for c in list_checkpoints(run)] == [(5, True)]
+        assert train(cache, run, "--steps", "5").returncode == 0
 
 
 def test_full_disk_while_checkpointing_is_one_line(tmp_path, cache):

@@ -53,6 +53,44 @@ def test_two_processes_match_one_process(tmp_path):
     np.testing.assert_allclose(_losses(tmp_path / "two"), _losses(tmp_path / "one"), rtol=TRACE_RTOL)
 
 
+def test_one_process_signalled_both_save_and_resume_to_the_same_trace(tmp_path):
+    """SIGTERM to process 1 alone after step 1: the OR-reduced stop flag makes both save step 1 and exit 75; the
+    same two commands resume to the one-process trace, each step logged once. The resumed process 1 is signalled
+    again in the last step: the run has finished, so it ends as usual (final checkpoint, summary, exit 0), not 75
+    with nothing a rerun could resume (it would stop at "no summary.json"). The reference runs alongside."""
+    from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
+
+    run = tmp_path / "two"
+    port = _free_port()
+    two = [[*ARGS, "--run-dir", str(run), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
+
+    def launch(cmds, envs):
+        procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, env={**_env(), **env})
+                 for args, env in zip(cmds, envs)]
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+        return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+    signal_after = lambda step: {"MOEJAX_FAULT_SIGTERM_AT_STEP": str(step)}
+    ref, *first = launch([[*ARGS, "--run-dir", str(tmp_path / "one")], *two], [{}, {}, signal_after(1)])
+    assert ref[0] == 0, ref[1][-3000:]
+    for rc, err in first:
+        assert rc == EXIT_PREEMPTED, err[-3000:]
+        assert f"moejax: preempted after step 1; checkpoint saved in {run}" in err and "Traceback" not in err
+    assert [(c.step, c.complete) for c in list_checkpoints(run)] == [(1, True)]
+    assert json.loads((list_checkpoints(run)[0].path / "metadata.json").read_text())["kind"] == "temporary"
+
+    second = launch(two, [{}, signal_after(3)])
+    for rc, err in second:
+        assert rc == 0, err[-3000:]
+    assert f"moejax: resuming {run} at step 1 of 3" in second[0][1]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    np.testing.assert_allclose(_losses(run), _losses(tmp_path / "one"), rtol=TRACE_RTOL)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    assert [(c.step, c.complete) for c in list_checkpoints(run)] == [(3, True)]  # the temporary one superseded
+
+
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "moejax.cli", *ARGS, "--run-dir", str(tmp_path / "x"),
                         "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1",

@@ -29,7 +29,8 @@ Notable choices and where they come from:
   array write; process 0 alone writes JSON, the marker and deletes. `should_save` is process 0's
   decision broadcast to all (wall clocks differ between hosts); restore success and preemption
   flags are OR/AND-reduced across processes so every host takes the same branch. The filesystem
-  must be shared. Only the 1-process path is exercised by tests.
+  must be shared. Tests run 2 processes on 127.0.0.1 (tests/test_multiprocess.py): a SIGTERM to one makes
+  both save the same step, and the resumed pair follows the uninterrupted trace.
 - `EXIT_PREEMPTED = 75` (sysexits EX_TEMPFAIL, "temporary failure, retry"): the run saved after a
   SIGTERM/SIGINT and wants to be restarted; distinct from 143 (128+SIGTERM, killed before saving).
   A signal before the first step (start-up, restore, compile) has nothing new to save: an `immediate`
@@ -45,7 +46,6 @@ Notable choices and where they come from:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -576,7 +576,7 @@ class PreemptionGuard:
     """Turn SIGTERM/SIGINT into a flag (`requested`) so the loop can save and exit `EXIT_PREEMPTED`.
 
     With `immediate` (set-up, before the first step: no new state exists yet) the handler raises
-    `PreemptionSignal` instead; the loop clears `immediate` when its first step starts. Old handlers are
+    `PreemptionSignal` instead; the loop calls `defer` when its first step starts. Old handlers are
     restored on exit. A second SIGINT while a request is pending raises KeyboardInterrupt (a human
     pressing Ctrl-C twice wants out now). Must be entered in the main thread (a Python signal rule).
     """
@@ -595,14 +595,10 @@ class PreemptionGuard:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
 
-    @contextlib.contextmanager
-    def deferred(self):
-        """Inside: a signal only sets `requested`; the loop saves and exits at the next step boundary."""
-        was, self.immediate = self.immediate, False
-        try:
-            yield self
-        finally:
-            self.immediate = was
+    def defer(self) -> None:
+        """From now on a signal only sets `requested`; the loop saves and exits at the next step boundary, or
+        finishes as usual when the signal lands in the last step or after it."""
+        self.immediate = False
 
     def stop_requested(self) -> bool:
         """`requested` OR-reduced over processes (a collective: call it at the same step everywhere)."""

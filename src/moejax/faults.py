@@ -5,8 +5,10 @@ that do nothing unless set. They make a crash land at an exact point that a time
       step      step STEP has been computed, nothing about it written yet
       metrics   half of step STEP's metrics.jsonl line written (a torn last line)
       save      the checkpoint of step STEP has its arrays on disk but no COMMITTED marker yet
+      summary   the run ended at step STEP: final checkpoint committed, summary.json not yet written
   MOEJAX_FAULT_SIGTERM_AT_STEP=N        a real SIGTERM after step N (N >= 1) has run
   MOEJAX_FAULT_SIGTERM_BEFORE_STEP=1    a real SIGTERM during set-up, before the first step
+  MOEJAX_FAULT_SIGTERM_AT_END=1         a real SIGTERM after the last step, while the final checkpoint commits
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def sigterm_at_step() -> int:
 
 def sigterm_before_step() -> bool:
     return os.environ.get("MOEJAX_FAULT_SIGTERM_BEFORE_STEP", "") == "1"
+
+
+def sigterm_at_end() -> bool:
+    return os.environ.get("MOEJAX_FAULT_SIGTERM_AT_END", "") == "1"
 
 
 def sigterm_now() -> None:

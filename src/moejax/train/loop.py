@@ -252,52 +252,74 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     try:
         if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
-        with guard.deferred():  # from the first step on, a signal finishes the step and saves
-            for step in range(start, t.steps):
-                t0 = time.perf_counter()
-                phase = data.schedule.phase_at(step)
-                s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
-                metrics = jax.device_get(metrics)
-                load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
-                metrics = {k: to_py(v) for k, v in metrics.items()}
-                if faults.kill_at("step", step):
-                    faults.kill_now()
-                _check_finite(step, metrics, run_dir)
-                log.check(step, metrics, load_LE)
-                s.ckpt.poll()  # a background save that failed (e.g. disk full) stops the run now
-                metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
-                metrics.update({"data/context_parallel": phase.context, "moe/cf_send": phase.cf_send,
-                                "moe/cf_recv": phase.cf_recv})
-                last = step + 1 == t.steps
-                if last or (t.eval_every and (step + 1) % t.eval_every == 0):
-                    metrics.update(_eval_metrics(s, data, t.eval_batches))
-                log.record(step, metrics, load_LE, last)
-                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
-                                tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
-                                drop=f"{metrics['moe/drop_fraction']:.3f}")
-                bar.update(1)
-                if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
-                    faults.sigterm_now()
-                saved["data_step"] = step + 1
-                if guard.stop_requested():
-                    s.ckpt.save(step + 1, s.state, kind="temporary", extra_metadata=saved)
-                    s.ckpt.wait()
-                    raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
-                                    "run the same command again to resume")
-                if not last and (kind := s.ckpt.should_save(step + 1)):
-                    s.ckpt.save(step + 1, s.state, kind=kind, extra_metadata=saved)
-            if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
-                s.ckpt.save(int(s.state.step), s.state, kind="final", extra_metadata=saved)
+        guard.defer()  # from the first step on, for good: a signal finishes the step and saves, and after the loop
+        # (final checkpoint, summary) it lets the run finish
+        for step in range(start, t.steps):
+            t0 = time.perf_counter()
+            phase = data.schedule.phase_at(step)
+            s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
+            metrics = jax.device_get(metrics)
+            load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
+            metrics = {k: to_py(v) for k, v in metrics.items()}
+            if faults.kill_at("step", step):
+                faults.kill_now()
+            _check_finite(step, metrics, run_dir)
+            log.check(step, metrics, load_LE)
+            s.ckpt.poll()  # a background save that failed (e.g. disk full) stops the run now
+            metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
+            metrics.update({"data/context_parallel": phase.context, "moe/cf_send": phase.cf_send,
+                            "moe/cf_recv": phase.cf_recv})
+            last = step + 1 == t.steps
+            if last or (t.eval_every and (step + 1) % t.eval_every == 0):
+                metrics.update(_eval_metrics(s, data, t.eval_batches))
+            log.record(step, metrics, load_LE, last)
+            bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
+                            tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
+                            drop=f"{metrics['moe/drop_fraction']:.3f}")
+            bar.update(1)
+            if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
+                faults.sigterm_now()
+            saved["data_step"] = step + 1
+            if not last and guard.stop_requested():  # in the last step: finish as usual (final save, summary)
+                s.ckpt.save(step + 1, s.state, kind="temporary", extra_metadata=saved)
+                s.ckpt.wait()
+                raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
+                                "run the same command again to resume")
+            if not last and (kind := s.ckpt.should_save(step + 1)):
+                s.ckpt.save(step + 1, s.state, kind=kind, extra_metadata=saved)
+        if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
+            s.ckpt.save(int(s.state.step), s.state, kind="final", extra_metadata=saved)
+        if faults.sigterm_at_end():  # fault injection: a signal while the final checkpoint commits
+            faults.sigterm_now()
     finally:
         bar.close()
         writer.close()
         s.ckpt.close()
     if start >= t.steps:  # the run had already finished: report it again
-        return read_summary(run_dir)
+        return _finished_summary(cfg.name, run_dir, t.steps)
     summary = log.summary(cfg.name, int(s.state.step))
+    if faults.kill_at("summary", int(s.state.step)):
+        faults.kill_now()
     if _primary():
         write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _finished_summary(name: str, run_dir: Path, steps: int) -> dict:
+    """A finished run's summary.json, once more. A kill between the final checkpoint and the summary's write
+    (a node lost at the very end) left none; every row is flushed as it is logged, so when the last step's row
+    is in metrics.jsonl the summary is rebuilt from the rows and written, and the requeued job ends as the
+    first would have. Without that row it stays a one-line error."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        totals = RunTotals.from_rows(read_metrics(run_dir))
+        if totals.last_step == steps - 1:
+            summary = totals.summary(name, steps, totals.wall_before)
+            if _primary():
+                write_json(path, summary)
+                print(f"moejax: {path} was missing; rebuilt from metrics.jsonl", file=sys.stderr)
+            return summary
+    return read_summary(run_dir)
 
 
 def _throughput(cfg: RunConfig, seq_len: int, seconds: float, peak: float) -> dict:
