@@ -168,3 +168,23 @@ def test_without_mesh_every_device_is_used_data_parallel():
     assert _default_mesh(_resolve(args), args).parallel.mesh_shape == (1, 1, 2, 1)  # --mesh wins
     args = build_parser().parse_args(["train", "--run-dir", "x", "--preset", "d768"])
     assert _default_mesh(_resolve(args), args).parallel.expert == 64  # a preset's own mesh stays
+
+
+def test_remat_flag_sets_the_config_field_that_config_json_records():
+    """`train --remat` turned remat on beside the config, so config.json said remat false for a remat run."""
+    from moejax.cli import _resolve, build_parser
+
+    resolve = lambda *extra: _resolve(build_parser().parse_args(["train", "--preset", "tiny", "--run-dir", "x",
+                                                                 *extra]))
+    assert resolve("--remat").train.remat and resolve("--remat").to_dict()["train"]["remat"] is True
+    assert not resolve().train.remat
+
+
+def test_summary_of_a_run_too_short_to_time_says_so(tmp_path, capsys):
+    """Every step of a 2-step run is compile-dominated, so the run has no throughput: not "0 tokens/s"."""
+    summary = {"preset": "tiny", "steps": 2, "first_loss": 7.7, "last_loss": 7.6, "tokens_per_second": 0.0,
+               "mfu": 0.0, "wall_seconds": 9.0, "drop_fraction": 0.0, "alarms": {}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(["summary", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "throughput  n/a (too few steps after the compile to measure)" in out and "0 tokens/s" not in out

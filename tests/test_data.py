@@ -100,7 +100,10 @@ def test_data_check_uses_the_store_end_to_end(corpus, tmp_path, capsys):
     assert _prepare_cli(corpus, out) == 0
     assert main(["data", "check", "--set", f"data.store={out}", "--set", "train.seq_len=8", "--set",
                  "data.heldout_fraction=0.34", "--set", "data.weights=a=1,b=3", "--verify"]) == 0
-    assert "first batch: 16 x 8 tokens" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    # manifest-level files (tokenizer, bytes per token) + tokens and offsets of each of the 2 sources
+    assert f"verified {out}: 6 files match their sha256, every token id is below 320" in printed
+    assert "first batch: 16 x 8 tokens" in printed
 
 
 def _corrupt_ids(store: Path, every: bool = False):

@@ -47,6 +47,8 @@ def _cmd_count(args) -> int:
 
 def _resolve(args):
     cfg = apply_overrides(preset(args.preset), mesh_overrides(args.mesh) + (args.set or []))
+    if args.remat:  # `train --remat`: train.remat=true, so config.json records it
+        cfg = replace(cfg, train=replace(cfg.train, remat=True))
     if args.steps is not None:
         cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
     return cfg
@@ -207,7 +209,7 @@ def _cmd_train(args) -> int:
     check_choices(cfg.model, tuple(ph.chunk for ph in cfg.phases))
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",
-                      peak_flops=args.peak_flops, progress=not args.no_progress, remat=args.remat,
+                      peak_flops=args.peak_flops, progress=not args.no_progress,
                       init_from=args.init_from or "")
     summary = train(cfg, Path(args.run_dir), opts)
     print(json.dumps(summary, indent=2))
@@ -224,7 +226,10 @@ def _cmd_summary(args) -> int:
         at = s.get("eval_step", s["steps"] - 1)  # older summaries: the run's last step, where every run evaluated
         when = f"   (step {at}'s row; later steps were not evaluated)" if at < s["steps"] - 1 else ""
         print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}{when}")
-    print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   MFU {100 * s['mfu']:.1f}% of measured matmul peak")
+    if s["tokens_per_second"]:
+        print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   MFU {100 * s['mfu']:.1f}% of measured matmul peak")
+    else:  # every step was one of a (re)start's first, compile-dominated ones
+        print("  throughput  n/a (too few steps after the compile to measure)")
     print(f"  MoE drops   {100 * s['drop_fraction']:.2f}%")
     for line in _alarm_lines(s):
         print(line)
@@ -268,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--wandb-project", default="moejax")
     t.add_argument("--wandb-run-name", help="W&B run name (default: the run directory's name)")
     t.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s of one device (one process on CPU) for MFU; default: measured at start (bf16 matmul on GPU/TPU, fp32 on CPU)")
-    t.add_argument("--remat", action="store_true", help="rematerialise each block in the backward pass")
+    t.add_argument("--remat", action="store_true",
+                   help="rematerialise each block in the backward pass (same as --set train.remat=true)")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--coordinator", metavar="HOST:PORT", help="jax.distributed coordinator (process 0's address)")
     t.add_argument("--num-processes", type=int, help="number of processes (hosts) in the job")

@@ -57,14 +57,18 @@ def _cmd_check(args) -> int:
 
     from moejax.config import apply_overrides
     from moejax.presets import preset
-    from moejax.data.pipeline import make_data
+    from moejax.data.pipeline import kjv_store, make_data
     from moejax.data.store import open_store
 
     cfg = apply_overrides(preset(args.preset), args.set or [])
     if args.steps is not None:
         cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
-    if args.verify and cfg.data.store:
-        open_store(cfg.data.store, verify=True)
+    if args.verify:  # the named store, or the embedded corpus's (prepared into the cache on first use)
+        path = cfg.data.store or kjv_store(cfg.model.vocab_size).path
+        store = open_store(path, verify=True)
+        files = len(store.manifest.get("sha256", {})) + sum(len(info.get("sha256", {}))
+                                                             for info in store.manifest["sources"].values())
+        print(f"verified {path}: {files} files match their sha256, every token id is below {store.vocab_size}")
     with make_data(replace(cfg, data=replace(cfg.data, prefetch=0))) as data:
         b = data.train.batch(0)
         print(json.dumps(data.describe(), indent=2))

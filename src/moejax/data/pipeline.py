@@ -122,7 +122,8 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
         store = open_store(d.store) if d.store else kjv_store(m.vocab_size)
     if store.vocab_size > m.vocab_size:
         raise ConfigError(f"data store {store.path or '(in memory)'} was tokenised with {store.tokenizer_spec} "
-                          f"({store.vocab_size} ids) but model.vocab_size is {m.vocab_size}")
+                          f"({store.vocab_size} ids) but model.vocab_size is {m.vocab_size}: add "
+                          f"--set model.vocab_size={store.vocab_size}")
     names = list(store.sources)
     sources = tuple(store.sources[n] for n in names)
     cuts = [s.heldout_cut(d.heldout_fraction) for s in sources]

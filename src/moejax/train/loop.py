@@ -64,7 +64,6 @@ class RunOptions:
     wandb_run_name: str = ""  # default: the run directory's name
     peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
     progress: bool = True
-    remat: bool = False
     init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
 
 
@@ -177,7 +176,7 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
     state = _initial_state(state, ckpt, resuming, init_from, optimizer, dataclasses.asdict(m))
     state, offload = place_state(state, t.opt_state_memory)
     step_fn, eval_fns = step_functions(cfg, mesh, optimizer, lr_fns, jax.tree.map(lambda x: x.sharding, state),
-                                       offload, (opts.remat or t.remat) and t.remat_saves)
+                                       offload, t.remat and t.remat_saves)
     batch_sh = batch_sharding(mesh)
     return _Session(state, step_fn, eval_fns, lambda b: jax.make_array_from_process_local_data(batch_sh, b), ckpt,
                     jnp.asarray(data.bytes_per_token))
