@@ -91,6 +91,31 @@ def test_one_process_signalled_both_save_and_resume_to_the_same_trace(tmp_path):
     assert [(c.step, c.complete) for c in list_checkpoints(run)] == [(3, True)]  # the temporary one superseded
 
 
+def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(tmp_path):
+    """kill -9 of process 1 after step 1: process 0's next collective fails. It exits 75 (a launcher requeues;
+    the same commands resume) with one line, at once, not after jax's 100 s heartbeat timeout with a C++ abort
+    and a Python traceback."""
+    import time
+
+    from moejax.checkpoint import EXIT_PREEMPTED
+
+    port = _free_port()
+    cmds = [[*ARGS, "--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+             "2", "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
+    envs = [_env(), {**_env(), "MOEJAX_FAULT_KILL": "step:1"}]
+    procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=env) for args, env in zip(cmds, envs)]
+    procs[1].communicate(timeout=600)
+    killed = time.monotonic()
+    err = procs[0].communicate(timeout=600)[1]
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == EXIT_PREEMPTED, err[-3000:]
+    assert time.monotonic() - killed < 50, "process 0 outlived its peer by jax's heartbeat timeout"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("moejax: error: process 0 of 2: a collective failed, another process is gone (")
+    assert "Traceback" not in err
+
+
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "moejax.cli", *ARGS, "--run-dir", str(tmp_path / "x"),
                         "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2", "--process-id", "1",

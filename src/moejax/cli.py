@@ -9,7 +9,8 @@
 User errors (bad config, preset, run dir) print one line `moejax: error: ...` and exit 2.
 SIGTERM/SIGINT during training: the step finishes, a temporary checkpoint is written, exit 75 (EX_TEMPFAIL);
 before the first step (start-up, waiting for peers, restore) there is nothing new to save: exit 75 at once.
-Running the same command again resumes from the newest complete checkpoint.
+Running the same command again resumes from the newest complete checkpoint. In a multi-process run, a
+collective that fails because another process is gone also exits 75, at once, in one line.
 Without --mesh, a preset laid out on one device trains data-parallel on every device (`--mesh data=N`).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -317,6 +319,22 @@ def _ensure_host_devices(args) -> None:
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FORCED_HOST_DEVICES}={n}"
 
 
+_PEER_GONE = re.compile(r"Gloo|NCCL|Connection reset|heartbeat|CoordinationService|DEADLINE_EXCEEDED|UNAVAILABLE")
+
+
+def _lost_peer(e: Exception) -> str | None:
+    """One line for a multi-process run whose collective failed because another process is gone (killed, its
+    node lost), else None. Such a run ends like a preempted one (exit 75: the launcher requeues, the same
+    command resumes from the newest complete checkpoint)."""
+    import jax
+
+    if not isinstance(e, jax.errors.JaxRuntimeError) or jax.process_count() < 2 or not _PEER_GONE.search(str(e)):
+        return None
+    first = str(e).strip().splitlines()[0]
+    return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, another process is "
+            f"gone ({first[:240]}); run the same command on every process again to resume")
+
+
 class _PreemptedWhileStarting(BaseException):
     """SIGTERM to `train` before the trainer's own handler is set (imports, config, waiting for the
     coordinator): nothing exists to save, so exit 75 at once (the launcher requeues), not 143."""
@@ -362,6 +380,15 @@ def _main(argv: list[str] | None) -> int:
     except Preempted as e:
         print(f"moejax: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        if (line := _lost_peer(e)) is None:
+            raise
+        print(f"moejax: error: {line}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not through jax's exit-time shutdown barrier, which would wait out the lost process's heartbeat
+        # (100 s) and then abort with a C++ stack trace. Rows and checkpoints on disk are already complete.
+        os._exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         print("moejax: interrupted", file=sys.stderr)
         return 130
