@@ -335,6 +335,32 @@ def _lost_peer(e: Exception) -> str | None:
             f"gone ({first[:240]}); run the same command on every process again to resume")
 
 
+SHUTDOWN_GRACE_S = 10.0
+
+
+def _leave_distributed(code: int) -> None:
+    """Exit after a lost peer, within SHUTDOWN_GRACE_S. jax's shutdown barrier is tried first, on a thread:
+    peers still alive (one that exited 75 while this one was starting) pass it and exit as they meant to;
+    when the peer is dead it would wait out its heartbeat (100 s) and then abort with a C++ stack trace,
+    so the process leaves without it. Rows and checkpoints on disk are complete already."""
+    import jax
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    left = threading.Event()
+
+    def shutdown():
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 -- leaving anyway
+            pass
+        left.set()
+
+    threading.Thread(target=shutdown, name="moejax-dist-shutdown", daemon=True).start()
+    left.wait(SHUTDOWN_GRACE_S)
+    os._exit(code)
+
+
 class _PreemptedWhileStarting(BaseException):
     """SIGTERM to `train` before the trainer's own handler is set (imports, config, waiting for the
     coordinator): nothing exists to save, so exit 75 at once (the launcher requeues), not 143."""
@@ -384,11 +410,7 @@ def _main(argv: list[str] | None) -> int:
         if (line := _lost_peer(e)) is None:
             raise
         print(f"moejax: error: {line}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Not through jax's exit-time shutdown barrier, which would wait out the lost process's heartbeat
-        # (100 s) and then abort with a C++ stack trace. Rows and checkpoints on disk are already complete.
-        os._exit(EXIT_PREEMPTED)
+        _leave_distributed(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         print("moejax: interrupted", file=sys.stderr)
         return 130
