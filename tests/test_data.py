@@ -152,6 +152,16 @@ def test_prepare_errors_are_one_line_exit_2_and_leave_nothing(files, source, ext
     assert set(Path(".").iterdir()) == before  # no store, no hidden temporary directory
 
 
+def test_a_one_document_source_is_prepared_with_a_warning(tmp_path, capsys):
+    """data check and train refuse it (no document left to hold out): prepare says so at once."""
+    (tmp_path / "t.txt").write_text("one document")
+    assert main(["data", "prepare", "--source", f"a={tmp_path / 't.txt'}", "--tokenizer", "bpe:300",
+                 "--out", str(tmp_path / "s"), "--no-progress"]) == 0
+    assert "warning: source 'a' holds 1 document; training needs >= 2 per source" in capsys.readouterr().err
+    assert main(["data", "check", "--set", f"data.store={tmp_path / 's'}", "--set", "model.vocab_size=300"]) == 2
+    assert "source 'a' has 1 document(s); a train/eval split needs >= 2" in capsys.readouterr().err
+
+
 def test_invalid_utf8_replace_is_opt_in(tmp_path):
     (tmp_path / "w.txt").write_bytes(b"ok \xff bad")
     prepare({"a": [str(tmp_path / "w.txt")]}, "bpe:300", str(tmp_path / "s"), ReadOptions(utf8_errors="replace"),

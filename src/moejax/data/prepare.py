@@ -8,6 +8,7 @@ pickling text across processes. The BPE for `bpe:VOCAB` is trained on all source
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,9 @@ def _write_source(writer: StoreWriter, name: str, files: list[str], tok, opts: R
         bar.update(pending_bytes)
         if docs_in_file == 0:
             raise SourceError(f"{f}: no non-empty documents (source {name!r})")
+    if stats["documents"] < 2:  # data check and train will refuse the store: say so now
+        print(f"moejax: warning: source {name!r} holds 1 document; training needs >= 2 per source (one is held "
+              f"out for eval; a text file is one document unless --text-split paragraph|line)", file=sys.stderr)
     tokens.close(), offsets.close()
     return stats
 
