@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# The CUDA compile kit (moejax.cuda_aot: XLA's GPU compiler, Triton and ptxas without a GPU; ~220 MB to download, 573 MB installed), for the
-# tests and `moejax plan --compile` only, so `make demo` doesn't download it. Installed apart from the venv's
-# site-packages: importable there, every jax start would try to open a CUDA backend.
+# The CUDA compile kit (moejax.cuda_aot: XLA's GPU compiler, Triton and ptxas without a GPU; ~220 MB to
+# download, 573 MB installed), for the tests and `moejax plan --compile` only, so `make demo` doesn't download
+# it. Installed apart from the venv's site-packages: importable there, every jax start would try to open a CUDA
+# backend.
 cuda-aot: $(AOT_STAMP)
 
 $(AOT_STAMP): $(STAMP) requirements-cuda-aot.lock
@@ -26,7 +27,8 @@ $(AOT_STAMP): $(STAMP) requirements-cuda-aot.lock
 	touch $(AOT_STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/moejax train --preset tiny --run-dir runs/demo --steps 300 --overwrite >/dev/null  # its JSON summary: runs/demo/summary.json
+	@# train's JSON summary (also in runs/demo/summary.json) is left out: `moejax summary` prints it as text
+	$(VENV)/bin/moejax train --preset tiny --run-dir runs/demo --steps 300 --overwrite >/dev/null
 	$(VENV)/bin/moejax summary runs/demo
 
 # Two pytest-xdist workers (each takes whole files, so a file's tests share its compiled steps): the suite is

@@ -328,7 +328,6 @@ def test_prepare_into_an_unwritable_place_is_one_line(corpus, tmp_path, capsys):
     assert err.startswith("moejax: error: cannot create the store") and err.count("\n") == 1
 
 
-
 def test_ctrl_c_while_the_tokenizer_trains_stops_at_once_and_leaves_nothing(tmp_path, capsys, monkeypatch):
     """tokenizers trains a BPE in Rust with the GIL released, but the main thread ran no signal handler until
     the training returned: Ctrl-C waited for its end (minutes on a large corpus). The training now runs on a

@@ -136,3 +136,12 @@ def test_summary_after_a_restart_covers_the_whole_run(tmp_path, capsys):
     assert main(["summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "eval loss   5.500   eval bits/byte 2.250   (step 5's row; later steps were not evaluated)" in out
+
+
+def test_totals_rebuilt_from_rows_skip_the_eval_only_row_of_step_0():
+    """With train.eval_at_start (the hero's) metrics.jsonl opens with an eval-only row for step 0: a resumed or
+    rebuilt summary took its missing train loss as the first loss (null), and `moejax summary` raised."""
+    rows = [{"step": 0, "eval/loss": 9.0, "eval/bpb": 3.0}, {"step": 0, "train/loss": 8.0},
+            {"step": 1, "train/loss": 7.5}]
+    totals = RunTotals.from_rows(rows)
+    assert (totals.first_step, totals.first_loss, totals.last_step, totals.last["train/loss"]) == (0, 8.0, 1, 7.5)

@@ -92,9 +92,10 @@ def test_one_process_signalled_both_save_and_resume_to_the_same_trace(tmp_path):
 
 
 def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(tmp_path):
-    """kill -9 of process 1 after step 1: process 0's next collective fails. It exits 75 (a launcher requeues;
-    the same commands resume) with one line, at once, not after jax's 100 s heartbeat timeout with a C++ abort
-    and a Python traceback."""
+    """kill -9 of process 1 just after it issued step 1's checkpoint: process 0's next collective fails while its
+    own part of the save waits for the dead peer. It exits 75 (a launcher requeues; the same commands resume)
+    with one line, at once: not after orbax's barrier (~90 s) and jax's heartbeat timeout (100 s), with a
+    "checkpoint save failed" line, a C++ abort and a Python traceback."""
     import time
 
     from moejax.checkpoint import EXIT_PREEMPTED
@@ -102,7 +103,8 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(tmp_path):
     port = _free_port()
     cmds = [[*ARGS, "--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
              "2", "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
-    envs = [_env(), {**_env(), "MOEJAX_FAULT_KILL": "step:1"}]
+    cmds = [[*args, "--set", "train.checkpoint_every=1"] for args in cmds]
+    envs = [_env(), {**_env(), "MOEJAX_FAULT_KILL": "saving:1"}]
     procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=env) for args, env in zip(cmds, envs)]
     procs[1].communicate(timeout=600)
@@ -114,6 +116,25 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last.startswith("moejax: error: process 0 of 2: a collective failed, another process is gone (")
     assert "Traceback" not in err
+
+
+def test_a_process_signalled_while_starting_ends_both_with_75(tmp_path):
+    """SIGTERM to process 1 during set-up: it exits 75 at once (nothing to save); process 0's set-up collective
+    then times out (gloo: 30 s) and it exits 75 too, in one line, having let its peer through jax's shutdown
+    barrier (a quick exit of process 0, the coordinator's host, had aborted process 1: rc 134)."""
+    from moejax.checkpoint import EXIT_PREEMPTED
+
+    port = _free_port()
+    cmds = [[*ARGS, "--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+             "2", "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
+    envs = [_env(), {**_env(), "MOEJAX_FAULT_SIGTERM_BEFORE_STEP": "1"}]
+    procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=env) for args, env in zip(cmds, envs)]
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], errs
+    assert errs[0].strip().splitlines()[-1].startswith("moejax: error: process 0 of 2: a collective failed")
+    assert errs[1].strip().splitlines()[-1].startswith("moejax: preempted (SIGTERM) before the first step")
+    assert "Traceback" not in errs[0] + errs[1]
 
 
 def test_unreachable_coordinator_is_a_clear_error(tmp_path):

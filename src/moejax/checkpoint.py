@@ -439,6 +439,8 @@ class CheckpointManager:
         self._last_save_time = self._clock()
         self._commit_thread = threading.Thread(target=self._commit, args=(step, path), name=f"ckpt-commit-{step}")
         self._commit_thread.start()
+        if faults.kill_at("saving", step):  # a save just issued, its write in flight on every process
+            faults.kill_now()
         return path
 
     def _commit(self, step: int, path: Path) -> None:
@@ -494,6 +496,12 @@ class CheckpointManager:
                 self._ckptr.close()
             finally:
                 self._quiet.remove()
+
+    def abandon(self) -> None:
+        """Leave without waiting: another process of the job is gone, so a save in flight waits for its shards
+        and can never commit. Its directory stays without a COMMITTED marker, which restores skip; the process
+        exits next."""
+        self._quiet.remove()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -214,6 +213,8 @@ def _cmd_train(args) -> int:
                       peak_flops=args.peak_flops, progress=not args.no_progress,
                       init_from=args.init_from or "")
     summary = train(cfg, Path(args.run_dir), opts)
+    if threading.current_thread() is threading.main_thread():  # finished: a late SIGTERM is not a preemption
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -229,7 +230,8 @@ def _cmd_summary(args) -> int:
         when = f"   (step {at}'s row; later steps were not evaluated)" if at < s["steps"] - 1 else ""
         print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}{when}")
     if s["tokens_per_second"]:
-        print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   MFU {100 * s['mfu']:.1f}% of measured matmul peak")
+        print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   "
+              f"MFU {100 * s['mfu']:.1f}% of measured matmul peak")
     else:  # every step was one of a (re)start's first, compile-dominated ones
         print("  throughput  n/a (too few steps after the compile to measure)")
     print(f"  MoE drops   {100 * s['drop_fraction']:.2f}%")
@@ -319,22 +321,6 @@ def _ensure_host_devices(args) -> None:
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FORCED_HOST_DEVICES}={n}"
 
 
-_PEER_GONE = re.compile(r"Gloo|NCCL|Connection reset|heartbeat|CoordinationService|DEADLINE_EXCEEDED|UNAVAILABLE")
-
-
-def _lost_peer(e: Exception) -> str | None:
-    """One line for a multi-process run whose collective failed because another process is gone (killed, its
-    node lost), else None. Such a run ends like a preempted one (exit 75: the launcher requeues, the same
-    command resumes from the newest complete checkpoint)."""
-    import jax
-
-    if not isinstance(e, jax.errors.JaxRuntimeError) or jax.process_count() < 2 or not _PEER_GONE.search(str(e)):
-        return None
-    first = str(e).strip().splitlines()[0]
-    return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, another process is "
-            f"gone ({first[:240]}); run the same command on every process again to resume")
-
-
 SHUTDOWN_GRACE_S = 10.0
 
 
@@ -396,7 +382,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"moejax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     args = build_parser().parse_args(argv)
-    from moejax.train.loop import Preempted, RunError
+    from moejax.train.loop import Preempted, RunError, lost_peer
 
     try:
         return args.fn(args)
@@ -407,7 +393,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"moejax: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
-        if (line := _lost_peer(e)) is None:
+        if (line := lost_peer(e)) is None:
             raise
         print(f"moejax: error: {line}", file=sys.stderr)
         _leave_distributed(EXIT_PREEMPTED)

@@ -4,6 +4,7 @@ that do nothing unless set. They make a crash land at an exact point that a time
   MOEJAX_FAULT_KILL=POINT:STEP          SIGKILL this process at POINT of step STEP:
       step      step STEP has been computed, nothing about it written yet
       metrics   half of step STEP's metrics.jsonl line written (a torn last line)
+      saving    the checkpoint of step STEP was just issued: its async write is in flight
       save      the checkpoint of step STEP has its arrays on disk but no COMMITTED marker yet
       summary   the run ended at step STEP: final checkpoint committed, summary.json not yet written
   MOEJAX_FAULT_SIGTERM_AT_STEP=N        a real SIGTERM after step N (N >= 1) has run

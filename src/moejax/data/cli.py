@@ -66,9 +66,8 @@ def _cmd_check(args) -> int:
     if args.verify:  # the named store, or the embedded corpus's (prepared into the cache on first use)
         path = cfg.data.store or kjv_store(cfg.model.vocab_size).path
         store = open_store(path, verify=True)
-        files = len(store.manifest.get("sha256", {})) + sum(len(info.get("sha256", {}))
-                                                             for info in store.manifest["sources"].values())
-        print(f"verified {path}: {files} files match their sha256, every token id is below {store.vocab_size}")
+        print(f"verified {path}: {store.verified_files} files match their sha256, every token id is below "
+              f"{store.vocab_size}")
     with make_data(replace(cfg, data=replace(cfg.data, prefetch=0))) as data:
         b = data.train.batch(0)
         print(json.dumps(data.describe(), indent=2))

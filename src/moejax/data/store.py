@@ -228,6 +228,7 @@ class Store:
     bytes_per_token: np.ndarray  # int32 [vocab_size]
     sources: dict[str, SourceTokens] = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
+    verified_files: int = 0  # files checked against their sha256 when opened with verify=True
 
     def describe(self) -> dict:
         return {"path": self.path, "tokenizer": self.tokenizer_spec, "vocab_size": self.vocab_size,
@@ -256,14 +257,13 @@ def open_store(path: str, verify: bool = False) -> Store:
         raise StoreError(f"{mpath} is not valid JSON ({e.msg})") from None
     if m.get("format") != FORMAT:
         raise StoreError(f"{mpath}: format {m.get('format')!r}, expected {FORMAT!r}")
-    if verify:
-        _verify_checksums(root, m)
+    verified = _verify_checksums(root, m) if verify else 0
     vocab, eos = int(m["tokenizer"]["vocab_size"]), int(m["tokenizer"]["eos_id"])
     bpt = _load(root / "bytes_per_token.npy")
     if bpt.shape != (vocab,):
         raise StoreError(f"{root}/bytes_per_token.npy has shape {bpt.shape}, expected ({vocab},)")
     sources = {name: _open_source(root, name, info, vocab, verify) for name, info in m["sources"].items()}
-    return Store(str(root), m["tokenizer"]["spec"], vocab, eos, np.asarray(bpt, np.int32), sources, m)
+    return Store(str(root), m["tokenizer"]["spec"], vocab, eos, np.asarray(bpt, np.int32), sources, m, verified)
 
 
 def _load(path: Path) -> np.ndarray:
@@ -291,7 +291,8 @@ def _open_source(root: Path, name: str, info: dict, vocab: int, verify: bool) ->
     return SourceTokens(name, toks, offs)
 
 
-def _verify_checksums(root: Path, m: dict) -> None:
+def _verify_checksums(root: Path, m: dict) -> int:
+    """Check every file the manifest lists against its sha256; returns how many there are."""
     expected = {f: h for f, h in m.get("sha256", {}).items()}
     for name, info in m["sources"].items():
         expected.update({f"{name}/{f}": h for f, h in info.get("sha256", {}).items()})
@@ -301,6 +302,7 @@ def _verify_checksums(root: Path, m: dict) -> None:
         got = sha256_file(root / rel)
         if got != want:
             raise StoreError(f"{root / rel}: sha256 {got[:16]} does not match the manifest's {want[:16]}")
+    return len(expected)
 
 
 def new_manifest(tokenizer, dtype: np.dtype) -> dict:

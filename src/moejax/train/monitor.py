@@ -57,8 +57,8 @@ class RunTotals:
         self.alarms: dict[str, dict] = {}  # kind -> {"count", "first", "last"} (lines of raised alarms)
 
     def add(self, step: int, row: dict, steady: bool = True) -> None:
-        if self.first_step is None:
-            self.first_step, self.first_loss = step, row.get("train/loss")
+        if self.first_step is None and "train/loss" in row:  # not step 0's eval-only row (eval_at_start)
+            self.first_step, self.first_loss = step, row["train/loss"]
         self.last_step = step
         self.last.update({k: row[k] for k in LAST_KEYS if k in row})
         if EVAL_KEY in row:
