@@ -328,7 +328,8 @@ def _leave_distributed(code: int) -> None:
     """Exit after a lost peer, within SHUTDOWN_GRACE_S. jax's shutdown barrier is tried first, on a thread:
     peers still alive (one that exited 75 while this one was starting) pass it and exit as they meant to;
     when the peer is dead it would wait out its heartbeat (100 s) and then abort with a C++ stack trace,
-    so the process leaves without it. Rows and checkpoints on disk are complete already."""
+    so the process leaves without it. The rows on disk are whole, and a checkpoint cut short has no COMMITTED
+    marker, which restores skip."""
     import jax
 
     sys.stdout.flush()
