@@ -210,6 +210,33 @@ def _broadcast_from_primary(code: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
 
 
+COMMIT_POLL_S = 1.0  # with several processes, how often a wait for a save checks that every process is still there
+
+# What a collective's error says when another process of the job is gone: its connections reset or closed (a
+# killed process on a live kernel), jax's heartbeat or unhealthy-task reports, NCCL's remote error; on CPU,
+# gloo's set-up key-value timeout (30 s), which a peer that is alive but that late would also raise. Not any
+# gloo/NCCL error: a deterministic one (out of memory, a bad config) must not be requeued forever.
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|heartbeat|unhealthy|"
+                        r"GetKeyValue\(\) timed out|ncclRemoteError|remote process exited|Broken pipe")
+
+
+def lost_peer(e: BaseException | None) -> str | None:
+    """One line for a multi-process run whose collective failed because another process is gone, else None.
+    The error may sit under others (`__cause__`/`__context__`): e.g. a step failed, then a cleanup raised.
+    Such a run ends like a preempted one (exit 75: the launcher requeues; the same command resumes)."""
+    if e is None or jax.process_count() < 2:
+        return None
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, jax.errors.JaxRuntimeError) and _PEER_GONE.search(str(e)):
+            first = str(e).strip().splitlines()[0]
+            return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, another "
+                    f"process is gone ({first[:240]}); run the same command on every process again to resume")
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
@@ -470,19 +497,33 @@ class CheckpointManager:
             if temporary:
                 _delete_checkpoint(info.path)
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, collective: bool = True) -> None:
         if self._commit_thread is not None:
-            self._commit_thread.join()
+            self._join_commit(collective)
             self._commit_thread = None
         if self._commit_error is not None:
             err, self._commit_error = self._commit_error, None
             raise CheckpointError(f"checkpoint save failed: {_one_line(err)}") from err
 
+    def _join_commit(self, collective: bool) -> None:
+        """Wait for the commit thread. With several processes (and `collective`: a call every process makes
+        at the same point), in COMMIT_POLL_S slices, each ending in a collective that asks whether any
+        process's save is still running: a process lost meanwhile fails that collective at once (its connections
+        reset), where the commit thread would wait ~90 s in orbax's barrier before the process aborted."""
+        if not collective or jax.process_count() == 1:
+            self._commit_thread.join()
+            return
+        while True:
+            self._commit_thread.join(COMMIT_POLL_S)
+            if not _any_process(self._commit_thread.is_alive()):
+                return
+
     def poll(self) -> None:
         """Raise CheckpointError now if the background save has already failed (never blocks): call it
-        every step, so a full disk is reported at once, not at the next save."""
+        every step, so a full disk is reported at once, not at the next save. (No collective here: whether
+        this process's save has ended differs between processes.)"""
         if self._commit_thread is not None and not self._commit_thread.is_alive():
-            self._finish_pending()
+            self._finish_pending(collective=False)
 
     def wait(self) -> None:
         """Block until the in-flight save is complete (marker written, old temporaries deleted)."""
@@ -491,16 +532,24 @@ class CheckpointManager:
     def close(self) -> None:
         try:
             self._finish_pending()
+        except BaseException as e:
+            if lost_peer(e) is not None:  # orbax's own close would wait for the lost process's shards too
+                self.abandon()
+                raise
+            self._close_orbax()
+            raise
+        self._close_orbax()
+
+    def _close_orbax(self) -> None:
+        try:
+            self._ckptr.close()
         finally:
-            try:
-                self._ckptr.close()
-            finally:
-                self._quiet.remove()
+            self._quiet.remove()
 
     def abandon(self) -> None:
         """Leave without waiting: another process of the job is gone, so a save in flight waits for its shards
-        and can never commit. Its directory stays without a COMMITTED marker, which restores skip; the process
-        exits next."""
+        and can never commit. Its directory stays without a COMMITTED marker, which restores skip. The caller
+        exits next (`moejax train` within ~10 s); its orbax and commit threads are left as they are."""
         self._quiet.remove()
 
     def __enter__(self) -> CheckpointManager:

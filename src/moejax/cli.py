@@ -383,7 +383,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"moejax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     args = build_parser().parse_args(argv)
-    from moejax.train.loop import Preempted, RunError, lost_peer
+    from moejax.checkpoint import lost_peer
+    from moejax.train.loop import Preempted, RunError
 
     try:
         return args.fn(args)

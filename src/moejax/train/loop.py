@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,8 @@ from tqdm import tqdm
 
 from moejax import accounting, faults
 from moejax.checkpoint import (EXIT_PREEMPTED, MARKER, METADATA, STATE, CheckpointError, CheckpointManager,
-                               PreemptionGuard, PreemptionSignal, check_compatible, list_checkpoints, restore)
+                               PreemptionGuard, PreemptionSignal, check_compatible, list_checkpoints, lost_peer,
+                               restore)
 from moejax.compile_cache import enable_compile_cache
 from moejax.config import RunConfig
 from moejax.data.pipeline import make_data
@@ -316,8 +316,8 @@ def _finished_summary(name: str, run_dir: Path, steps: int) -> dict:
     (a node lost at the very end) left none; the rows are fsynced before each checkpoint, so the last step's
     row is in metrics.jsonl and the summary is rebuilt from the rows and written: the requeued job ends as the
     first would have. (Its throughput is the median over the logged rows, every `train.log_every`th step, and
-    its wall time the last row's: within ~1% of what the run would have written.) Without that row it stays a
-    one-line error."""
+    its wall time the last row's: close to, not exactly, what the run would have written.) Without that row it
+    stays a one-line error."""
     path = run_dir / "summary.json"
     if not path.exists():
         totals = RunTotals.from_rows(read_metrics(run_dir))
@@ -328,29 +328,6 @@ def _finished_summary(name: str, run_dir: Path, steps: int) -> dict:
                 print(f"moejax: {path} was missing; rebuilt from metrics.jsonl", file=sys.stderr)
             return summary
     return read_summary(run_dir)
-
-
-# What a collective's error says when another process of the job is gone (killed, its node lost) — not any
-# gloo/NCCL error: a deterministic one (out of memory, a bad config) must not be requeued forever.
-_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|heartbeat|unhealthy|"
-                        r"GetKeyValue\(\) timed out|ncclRemoteError|remote process exited|Broken pipe")
-
-
-def lost_peer(e: BaseException | None) -> str | None:
-    """One line for a multi-process run whose collective failed because another process is gone, else None.
-    The error may sit under others (`__cause__`/`__context__`): e.g. a step failed, then a cleanup raised.
-    Such a run ends like a preempted one (exit 75: the launcher requeues; the same command resumes)."""
-    if e is None or jax.process_count() < 2:
-        return None
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, jax.errors.JaxRuntimeError) and _PEER_GONE.search(str(e)):
-            first = str(e).strip().splitlines()[0]
-            return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, another "
-                    f"process is gone ({first[:240]}); run the same command on every process again to resume")
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _throughput(cfg: RunConfig, seq_len: int, seconds: float, peak: float) -> dict:
