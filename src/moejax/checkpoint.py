@@ -450,7 +450,7 @@ class CheckpointManager:
         if kind not in KINDS:
             raise ValueError(f"kind ({kind!r}) must be one of {KINDS}")
         _reject_typed_keys(state)
-        self._finish_pending()
+        self._finish_pending(collective=True)  # every process saves at the same steps
         path = self.ckpt_dir / step_dir_name(step)
         meta = json.dumps(self._metadata(step, kind, state, extra_metadata), indent=1).encode()
         if step in self._completed:
@@ -497,25 +497,30 @@ class CheckpointManager:
             if temporary:
                 _delete_checkpoint(info.path)
 
-    def _finish_pending(self, collective: bool = True) -> None:
+    def _finish_pending(self, collective: bool = False) -> None:
+        """Wait for the save in flight and raise its error. `collective`: every process calls this at the same
+        point (before a save, `wait`, the normal end), so with several processes the wait can watch for a lost
+        one (`_await_every_commit`)."""
+        if collective and jax.process_count() > 1:
+            self._await_every_commit()
         if self._commit_thread is not None:
-            self._join_commit(collective)
+            self._commit_thread.join()
             self._commit_thread = None
         if self._commit_error is not None:
             err, self._commit_error = self._commit_error, None
             raise CheckpointError(f"checkpoint save failed: {_one_line(err)}") from err
 
-    def _join_commit(self, collective: bool) -> None:
-        """Wait for the commit thread. With several processes (and `collective`: a call every process makes
-        at the same point), in COMMIT_POLL_S slices, each ending in a collective that asks whether any
-        process's save is still running: a process lost meanwhile fails that collective at once (its connections
-        reset), where the commit thread would wait ~90 s in orbax's barrier before the process aborted."""
-        if not collective or jax.process_count() == 1:
-            self._commit_thread.join()
-            return
+    def _await_every_commit(self) -> None:
+        """Wait until no process's save is running, in COMMIT_POLL_S slices, each ending in a collective that
+        asks just that. A process lost meanwhile fails that collective at once (its connections reset), where
+        the commit thread would wait ~90 s in orbax's barrier before the process aborted. Every process runs the
+        same collectives here whatever its own save's state (`poll` may have ended it already on one process
+        and not on another)."""
         while True:
-            self._commit_thread.join(COMMIT_POLL_S)
-            if not _any_process(self._commit_thread.is_alive()):
+            thread = self._commit_thread
+            if thread is not None:
+                thread.join(COMMIT_POLL_S)
+            if not _any_process(thread is not None and thread.is_alive()):
                 return
 
     def poll(self) -> None:
@@ -523,15 +528,18 @@ class CheckpointManager:
         every step, so a full disk is reported at once, not at the next save. (No collective here: whether
         this process's save has ended differs between processes.)"""
         if self._commit_thread is not None and not self._commit_thread.is_alive():
-            self._finish_pending(collective=False)
+            self._finish_pending()
 
     def wait(self) -> None:
-        """Block until the in-flight save is complete (marker written, old temporaries deleted)."""
-        self._finish_pending()
+        """Block until the in-flight save is complete (marker written, old temporaries deleted). Every process
+        calls it at the same point."""
+        self._finish_pending(collective=True)
 
-    def close(self) -> None:
+    def close(self, collective: bool = False) -> None:
+        """Finish the save in flight and release orbax. `collective`: every process closes here, at the run's
+        normal end (not on an error path, which other processes may not take)."""
         try:
-            self._finish_pending()
+            self._finish_pending(collective)
         except BaseException as e:
             if lost_peer(e) is not None:  # orbax's own close would wait for the lost process's shards too
                 self.abandon()

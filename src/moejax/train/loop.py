@@ -297,8 +297,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     finally:
         bar.close()
         writer.close()
-        if lost_peer(sys.exc_info()[1]) is None:
-            s.ckpt.close()
+        failure = sys.exc_info()[1]
+        if lost_peer(failure) is None:
+            s.ckpt.close(collective=failure is None)  # the normal end: every process is here
         else:  # a save in flight waits for the lost process's shards (~90 s in orbax's barrier), never to commit
             s.ckpt.abandon()
     if start >= t.steps:  # the run had already finished: report it again
