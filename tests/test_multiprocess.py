@@ -40,14 +40,24 @@ def _losses(run_dir):
     return [r["train/loss"] for r in rows] + [rows[-1]["eval/loss"], rows[-1]["eval_dropless/loss"]]
 
 
+def _pair(run_dir, *extra):
+    """The two commands of one 2-process run on a fresh local port."""
+    port = _free_port()
+    return [[*ARGS, *extra, "--run-dir", str(run_dir), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+             "2", "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
+
+
+def _start(cmds, envs=None):
+    """Start each command as `moejax` with the suite's environment plus its own (`envs`: one dict each)."""
+    envs = envs or [{}] * len(cmds)
+    return [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, env={**_env(), **env})
+            for args, env in zip(cmds, envs)]
+
+
 def test_two_processes_match_one_process(tmp_path):
     """The one-process reference runs alongside the two processes (the three are compile-bound)."""
-    port = _free_port()
-    two = [[*ARGS, "--run-dir", str(tmp_path / "two"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-            "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=_env())
-             for args in [[*ARGS, "--run-dir", str(tmp_path / "one")], *two]]
+    procs = _start([[*ARGS, "--run-dir", str(tmp_path / "one")], *_pair(tmp_path / "two")])
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -62,14 +72,10 @@ def test_one_process_signalled_both_save_and_resume_to_the_same_trace(tmp_path):
     from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
 
     run = tmp_path / "two"
-    port = _free_port()
-    two = [[*ARGS, "--run-dir", str(run), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-            "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
+    two = _pair(run)
 
     def launch(cmds, envs):
-        procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, env={**_env(), **env})
-                 for args, env in zip(cmds, envs)]
+        procs = _start(cmds, envs)
         errs = [p.communicate(timeout=600)[1] for p in procs]
         return [(p.returncode, err) for p, err in zip(procs, errs)]
 
@@ -102,13 +108,8 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(save, tmp_p
 
     from moejax.checkpoint import EXIT_PREEMPTED
 
-    port = _free_port()
-    cmds = [[*ARGS, "--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-             "2", "--process-id", str(i), "--dist-timeout", "120", "--set", "train.checkpoint_every=1"]
-            for i in range(2)]
-    envs = [_env(), {**_env(), "MOEJAX_FAULT_KILL": f"saving:{save}"}]
-    procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=env) for args, env in zip(cmds, envs)]
+    procs = _start(_pair(tmp_path / "run", "--set", "train.checkpoint_every=1"),
+                   [{}, {"MOEJAX_FAULT_KILL": f"saving:{save}"}])
     procs[1].communicate(timeout=600)
     killed = time.monotonic()
     err = procs[0].communicate(timeout=600)[1]
@@ -126,12 +127,7 @@ def test_a_process_signalled_while_starting_ends_both_with_75(tmp_path):
     barrier (a quick exit of process 0, the coordinator's host, had aborted process 1: rc 134)."""
     from moejax.checkpoint import EXIT_PREEMPTED
 
-    port = _free_port()
-    cmds = [[*ARGS, "--run-dir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-             "2", "--process-id", str(i), "--dist-timeout", "120"] for i in range(2)]
-    envs = [_env(), {**_env(), "MOEJAX_FAULT_SIGTERM_BEFORE_STEP": "1"}]
-    procs = [subprocess.Popen([sys.executable, "-m", "moejax.cli", *args], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, env=env) for args, env in zip(cmds, envs)]
+    procs = _start(_pair(tmp_path / "run"), [{}, {"MOEJAX_FAULT_SIGTERM_BEFORE_STEP": "1"}])
     errs = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], errs
     assert errs[0].strip().splitlines()[-1].startswith("moejax: error: process 0 of 2: a collective failed")

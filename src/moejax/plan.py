@@ -176,13 +176,14 @@ def activation_numbers(cfg: RunConfig, tokens_per_device: int, tr: dict | None, 
     # layer's intermediates, kept from the forward: L working sets (their transport results among them). Checked
     # against XLA's compiled peak on one H200 (docs/LOG.md 2026-12-04, twenty-fourth session).
     blocks_live = 1 if t.remat else m.n_layers
+    block = attn + moe + shared + router  # one layer's working set
     return {"tokens_per_device": T, "lm_head_vocab": vocab, "lm_head_streamed": bool(m.loss_vocab_block),
             "block_inputs_bytes": kept, "attention_bytes": attn, "attention_qkvo_bytes": qkvo,
             "attention_kv_context_bytes": kv_ext, "moe_bytes": moe, "transport_kept_bytes": transport_kept,
             "remat": bool(t.remat), "remat_saves": t.remat_saves, "blocks_live": blocks_live,
             "scan_layers": t.scan_layers,
-            "shared_bytes": shared, "router_bytes": router, "lm_head_logits_bytes": head,
-            "activations_bytes": kept + transport_kept + blocks_live * (attn + moe + shared + router) + head}
+            "shared_bytes": shared, "router_bytes": router, "block_bytes": block, "lm_head_logits_bytes": head,
+            "activations_bytes": kept + transport_kept + blocks_live * block + head}
 
 
 def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per_device: int) -> list[dict]:
@@ -254,7 +255,6 @@ def verdict(r: dict) -> str:
 def format_plan(r: dict) -> str:
     g = lambda b: f"{b / GB:,.2f} GB"
     mesh = ", ".join(f"{k}={v}" for k, v in r["mesh"].items())
-    per_layer = sum(r[k] for k in ("attention_bytes", "moe_bytes", "shared_bytes", "router_bytes"))
     lines = [f"moejax plan: {r['preset']} on {r['cluster']} ({r['device']})",
              f"  mesh ({mesh}) = {r['devices']} devices of {r['cluster_devices']}; batch over "
              f"{'x'.join(BATCH_AXES)}; {r['tokens_per_device']:,} tokens per device",
@@ -268,7 +268,7 @@ def format_plan(r: dict) -> str:
              f"  {'activations (' + ('per-block remat' if r['remat'] else 'no remat') + ', estimate)':<40}"
              f"{g(r['activations_bytes']):>14}",
              f"    {'block inputs kept':<38}{g(r['block_inputs_bytes']):>14}  L x T x d x 2 B",
-             *([] if r["remat"] else [f"    {'each layer keeps (no remat)':<38}{g(per_layer):>14}  x L = "
+             *([] if r["remat"] else [f"    {'each layer keeps (no remat)':<38}{g(r['block_bytes']):>14}  x L = "
                                       f"{r['blocks_live']}: the four working sets below"]),
              *([f"    {'':<38}{'':>14}  not counted: with the layers scanned (train.scan_layers) XLA also "
                 "copies them into per-layer stacks (shape G on an H200: 76 GB scanned, 49 unrolled; --compile "
