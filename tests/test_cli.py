@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from moejax.cli import main
+from moejax.train.heuristic import optimizer_heuristic
 from tests.helpers import subprocess_xla_flags
 
 ENV = {**os.environ, "WANDB_MODE": "disabled", "XLA_FLAGS": subprocess_xla_flags()}
@@ -115,6 +116,11 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     # YNNPACK for reductions only on CPU
     assert info["step_compiler_options"] == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
     assert info["xla_flags"] == ENV["XLA_FLAGS"]
+    # What the hero optimizer really ran with: the SPEC §4 heuristic's beta2 for this batch, not train.b2
+    hp = optimizer_heuristic(total_tokens=6 * 4 * 128, width=128, batch_tokens=4 * 128)
+    assert info["optimizer"] == {"name": "hero", "source": "SPEC §4 heuristic", "muonh_lr": hp.muonh_lr,
+                                 "adam_lr": hp.adam_lr, "b1": hp.beta1, "b2": hp.beta2, "eps": hp.eps, "weight_decay": 0.0}
+    assert info["optimizer"]["b2"] != cfg["train"]["b2"]
     flops = 3.0 * info["accounting"]["fwd_flops_per_token"] * info["accounting"]["tokens_per_step"]
     for row in rows:
         assert row["throughput/mfu"] == pytest.approx(flops / row["throughput/step_time"] / 1e11)

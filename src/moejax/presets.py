@@ -93,7 +93,7 @@ TINY = RunConfig(
                   n_kv_heads=2, n_kv_heads_global=1, window=64, rope_dim=8, gated_norm_rank=16,
                   n_experts=16, top_k=2, expert_width=64, latent_width=64, n_shared=2, shared_width=64),
     train=TrainConfig(seq_len=128, batch_size=16, steps=300, optimizer="hero", warmup_fraction=0.05,
-                      eval_every=100, b2=0.99, checkpoint_every=100, temp_checkpoint_minutes=2.0,
+                      eval_every=100, checkpoint_every=100, temp_checkpoint_minutes=2.0,
                       load_log_every=5),  # [4 x 16] loads are small: a 60-column heat map in `moejax report`
     parallel=ParallelConfig(),
 )

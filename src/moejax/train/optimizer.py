@@ -270,6 +270,18 @@ def _frozen_or(name: str, path: tuple) -> str:
     return "frozen" if leaf_name(path) in FROZEN_FIELDS else name
 
 
+def optimizer_settings(cfg: RunConfig) -> dict:
+    """The optimizer's effective hyperparameters, for run_info.json: under `hero` the heuristic's (SPEC §4),
+    not train.learning_rate / b1 / b2 / eps, which only `adam` reads (config.json still shows them)."""
+    t = cfg.train
+    if t.optimizer == "hero":
+        hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
+        return {"name": "hero", "source": "SPEC §4 heuristic", "muonh_lr": hp.muonh_lr, "adam_lr": hp.adam_lr,
+                "b1": hp.beta1, "b2": hp.beta2, "eps": hp.eps, "weight_decay": t.weight_decay}
+    return {"name": "adam", "source": "train config", "learning_rate": t.learning_rate, "b1": t.b1, "b2": t.b2,
+            "eps": t.eps, "weight_decay": t.weight_decay}
+
+
 def make_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, dict[str, optax.Schedule]]:
     """(optimizer, {group: lr schedule}) of a run; each schedule is built once and shared with the metrics.
 
@@ -281,9 +293,9 @@ def make_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, dict[s
     t = cfg.train
     sched = lambda peak: warmup_linear_decay(peak, t.steps, t.warmup_fraction, t.min_lr_fraction)
     if t.optimizer == "hero":
-        hp = optimizer_heuristic(total_tokens=t.total_tokens, width=cfg.model.d_model, batch_tokens=t.tokens_per_step)
-        lr_fns = {"muonh": sched(hp.muonh_lr), "adam": sched(hp.adam_lr)}
-        opt = hero_optimizer(adam_lr=lr_fns["adam"], muonh_lr=lr_fns["muonh"], b1=hp.beta1, b2=hp.beta2, eps=hp.eps,
+        hp = optimizer_settings(cfg)  # the one place the heuristic is read, so run_info.json says what ran
+        lr_fns = {"muonh": sched(hp["muonh_lr"]), "adam": sched(hp["adam_lr"])}
+        opt = hero_optimizer(adam_lr=lr_fns["adam"], muonh_lr=lr_fns["muonh"], b1=hp["b1"], b2=hp["b2"], eps=hp["eps"],
                              weight_decay=t.weight_decay, one_device=cfg.parallel.n_devices == 1)
         return opt, lr_fns
     lr_fns = {"adam": sched(t.learning_rate)}

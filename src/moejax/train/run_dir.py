@@ -31,6 +31,7 @@ from moejax.diffs import first_difference
 from moejax.fsio import atomic_write, atomic_write_chunks
 from moejax.metrics import is_json_object
 from moejax.model.transformer import param_count
+from moejax.train.optimizer import optimizer_settings
 
 LIBRARIES = ("jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers")
 LOCK = ".lock"
@@ -255,7 +256,8 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
             "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
             "glibc_tunables": hostmem.tunables(),  # huge pages or not
             "xla_flags": os.environ.get("XLA_FLAGS", ""),  # with step_compiler_options: how XLA compiled the step
-            "peak_flops": peak, "accounting": accounting.summary(cfg, param_count(cfg.model))}
+            "peak_flops": peak, "optimizer": optimizer_settings(cfg),  # hero: the heuristic's, not train.b2 etc.
+            "accounting": accounting.summary(cfg, param_count(cfg.model))}
 
 
 def write_json(path: Path, obj: dict, **kw) -> None:
