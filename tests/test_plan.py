@@ -9,7 +9,7 @@ import pytest
 from moejax.cli import main
 from moejax.config import ConfigError, ParallelConfig
 from moejax.presets import HERO, TINY, ladder_rung
-from moejax.plan import CLUSTERS, GB, plan
+from moejax.plan import CLUSTERS, GB, format_plan, plan
 
 HERO_TOKENS_PER_DEVICE = 11_264 * 4096 // 704  # 65,536
 
@@ -134,6 +134,9 @@ def test_hero_context_phases(hero_plan):
     # the 262K phase's global layers read 3 earlier chunks: K and V per query head, 3 x 65,536 x 2 x 6144 x 2 B
     assert last["attention_bytes"] - first["attention_bytes"] > 3 * 65_536 * 2 * 6144 * 2
     assert all(p["fits_hbm"] for p in hero_plan["phases"])
+    # the longer phases run at the 4K phase's cf 1.15, which SPEC §6 says does not transfer: flagged
+    assert [p["base_cf_at_longer_context"] for p in hero_plan["phases"]] == [False, True, True, True]
+    assert "note: seq_len 8,192, 65,536, 262,144 keep the base context's capacity factors" in format_plan(hero_plan)
 
 
 def test_activations_without_remat_keep_every_layer(capsys):

@@ -193,6 +193,7 @@ def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per
     from dataclasses import replace
 
     out = []
+    base = cfg.phases[0]
     for ph in cfg.phases:
         pc = replace(cfg, parallel=replace(cfg.parallel, cf_send=ph.cf_send, cf_recv=ph.cf_recv))
         act = activation_numbers(cfg, tokens_per_device, transport_numbers(pc, tokens_per_device), ph.seq_len,
@@ -201,7 +202,10 @@ def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per
         out.append({"from_step": ph.start, "seq_len": ph.seq_len, "sequences": ph.sequences, "context": ph.context,
                     "rows": ph.rows, "chunk": ph.chunk, "cf_send": ph.cf_send, "cf_recv": ph.cf_recv,
                     "attention_bytes": act["attention_bytes"], "activations_bytes": act["activations_bytes"],
-                    "hbm_needed": hbm, "fits_hbm": hbm <= cluster.hbm_bytes})
+                    "hbm_needed": hbm, "fits_hbm": hbm <= cluster.hbm_bytes,
+                    # SPEC §6: capacity tuned at the base context does not transfer to longer ones
+                    "base_cf_at_longer_context": ph.seq_len > base.seq_len and (ph.cf_send, ph.cf_recv) == (
+                        base.cf_send, base.cf_recv)})
     return out
 
 
@@ -309,6 +313,12 @@ def format_plan(r: dict) -> str:
                      f"{'yes' if ph['fits_hbm'] else 'NO'}")
     lines += ["  CP = context-parallel degree: each sequence is CP consecutive rows (chunks) on consecutive batch "
               "shards; global layers read the (CP-1) earlier chunks, local layers a window-1 halo"]
+    reused = [f"{ph['seq_len']:,}" for ph in r["phases"] if ph["base_cf_at_longer_context"]]
+    if tr and reused:
+        lines += [f"  note: seq_len {', '.join(reused)} keep the base context's capacity factors, and capacity tuned "
+                  f"at a short context does not transfer to long ones (SPEC §6; fewer documents per shard drop more):",
+                  "    measure each length's drops (bench/bench_drops_context.py) and set :cf=X on its phase; in "
+                  "training the `drop` alarm (alarms.drop_max) watches moe/drop_fraction"]
     lines += ["pinned host (fp32 master + optimizer state)" if r["opt_state_memory"] == "pinned_host"
               else "fp32 master + optimizer state (device memory: counted in HBM above)",
               f"  {'fp32 master':<40}{g(r['master_fp32_bytes']):>14}  4 B x params per device",
