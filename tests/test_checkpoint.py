@@ -129,6 +129,35 @@ def test_newest_temporary_kept_and_old_deleted_only_after_newer_completes(tmp_pa
     mgr.close()
 
 
+# Not the default 60 (an hour), and no cadence where minutes read as seconds would land by chance: the
+# manager must see 150 s, not 2.5 s.
+TEMP_MINUTES = 2.5
+
+
+def test_the_loop_hands_the_temporary_cadence_over_in_seconds(tmp_path, monkeypatch):
+    """train.temp_checkpoint_minutes reaches the run's CheckpointManager as 60 x minutes seconds (SPEC §5: a
+    temporary checkpoint every hour). The run stops as the manager is built, before any state or compile."""
+    from moejax.config import apply_overrides
+    from moejax.presets import preset
+    from moejax.train import loop
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def recording_manager(run_dir, **kwargs):
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(loop, "CheckpointManager", recording_manager)
+    cfg = apply_overrides(preset("tiny"), ["train.steps=1", f"train.temp_checkpoint_minutes={TEMP_MINUTES}"])
+    with pytest.raises(Built):
+        loop.train(cfg, tmp_path / "run", loop.RunOptions(wandb="disabled", progress=False, peak_flops=1e11))
+    assert seen["temporary_every_s"] == 60 * TEMP_MINUTES
+    assert seen["permanent_every"] == cfg.train.checkpoint_every
+
+
 def test_buffers_may_be_donated_once_save_returns(tmp_path):
     mesh = mesh8()
     state = toy_state(mesh, big=True)

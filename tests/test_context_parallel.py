@@ -172,6 +172,19 @@ def test_micro_schedule_trains_through_every_phase_and_resumes_exactly(tmp_path)
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
 
 
+# One phase per capacity override (cf sets both, cf_send and cf_recv one each) and the base phase without any;
+# seq_lens as in MICRO_SCHEDULE, so every phase is a valid layout of micro_cfg. Config only: nothing trains.
+CF_SCHEDULE = "0.25:256:cf=2.0,0.5:512:cf_send=2.5,0.75:1024:cf_recv=3"
+
+
+def test_each_phase_takes_only_the_capacity_factors_it_sets():
+    cfg = apply_overrides(micro_cfg(), [f"data.context_schedule={CF_SCHEDULE}"])
+    base = (cfg.parallel.cf_send, cfg.parallel.cf_recv)
+    assert base == (1.15, 1.15)  # the hero's, different from every override below
+    assert [(ph.start, ph.seq_len, ph.cf_send, ph.cf_recv) for ph in cfg.phases] == [
+        (0, 128, *base), (2, 256, 2.0, 2.0), (4, 512, 2.5, base[1]), (6, 1024, base[0], 3.0)]
+
+
 # ---- bad input: one line naming the values, ConfigError (exit 2), nothing written --------------------------
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.context=3"], "context-parallel degree 3 does not divide the sequence length 128"),

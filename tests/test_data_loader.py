@@ -73,6 +73,17 @@ def test_mixture_proportions_and_cooldown_switch():
         assert set(source_of_rows(data.train.batch(step))) == {2}
 
 
+SPEC_COOLDOWN_START = 0.8  # SPEC §5: "cooldown weights take over at ~80% of steps"
+
+
+def test_cooldown_takes_over_at_80_percent_by_default():
+    assert DataConfig().cooldown_start == SPEC_COOLDOWN_START
+    data = make_data(cfg(steps=200, weights="a=0.5,b=0.5", cooldown_weights="c=1"), store=synthetic_store())
+    assert set(source_of_rows(data.train.batch(159))) == {0, 1}  # round(0.8 * 200) = 160: the main mix before
+    for step in (160, 199):
+        assert set(source_of_rows(data.train.batch(step))) == {2}
+
+
 def test_epoch_cap_and_epochs_visit_each_window_once():
     store = synthetic_store((60, 300, 300))
     data = make_data(cfg(steps=100, weights="a=0.5,b=0.5", max_epochs="a=1", heldout_fraction=0.1), store=store)

@@ -23,9 +23,10 @@ from moejax.model.moe.reference import routed_reference
 from moejax.model.transformer import Transformer, forward
 from moejax.parallel.backends import moe_backend
 from moejax.parallel.expert_parallel import (KEPT, PADDING, RECEIVER_DROPPED, SENDER_DROPPED,
-                                             _decode_header, _encode_header, header_digits, routed_expert_parallel,
-                                             routed_expert_parallel_debug, transport_sizes)
+                                             _decode_header, _encode_header, _receiver_plan, header_digits,
+                                             routed_expert_parallel, routed_expert_parallel_debug, transport_sizes)
 from moejax.parallel.mesh import BATCH_AXES, MESH_AXES, batch_sharding, make_mesh as run_mesh
+from moejax.parallel.transport_ops import combine_rows
 from moejax.presets import preset
 from moejax.train.step import qb_hook, with_router_bias
 
@@ -214,6 +215,43 @@ def test_skewed_routing_spreads_receiver_drops_evenly():
     assert (spread <= MAX_SOURCE_SPREAD).all(), per_source
 
 
+def oracle_receiver_keep(ids_XP, local_experts, cap, rotation):
+    """(kept [X, P], expert slot e*R + r of each kept row, drops) in the module docstring's order: slot p of
+    every source before slot p+1 of any; inside slot p the sources run from (p + rotation) % X."""
+    n_src, pool = ids_XP.shape
+    kept, slot, filled = np.zeros((n_src, pool), bool), np.zeros((n_src, pool), int), np.zeros(local_experts, int)
+    for p in range(pool):
+        for i in range(n_src):
+            s = (i + p + rotation) % n_src
+            if ids_XP[s, p] == 0:  # empty slot
+                continue
+            e = ids_XP[s, p] - 1
+            if filled[e] < cap:
+                kept[s, p], slot[s, p] = True, e * cap + filled[e]
+            filled[e] += 1
+    return kept, slot, int(np.maximum(filled - cap, 0).sum())
+
+
+def test_receiver_keeps_rows_in_interleaved_rotated_order():
+    # Local expert 0 is sent by every source in every slot (10 rows for capacity 3); expert 1 gets one row,
+    # source 2's last slot is empty. Which 3 survive is fixed by the order: slot 0's rows, from the source
+    # the rotation names first. A diagonal or source-major order keeps rows of later slots instead.
+    ids_XP = np.array([[1, 1, 1], [1, 2, 1], [1, 1, 0], [1, 1, 1]])
+    local_experts, cap = 2, 3
+    plan_fn = jax.jit(lambda ids, rot: _receiver_plan(ids, local_experts, cap, rot))
+    for rotation in range(ids_XP.shape[0]):
+        plan = plan_fn(jnp.asarray(ids_XP, jnp.int32), rotation)
+        kept, slot, dropped = oracle_receiver_keep(ids_XP, local_experts, cap, rotation)
+        assert kept[:, 0].sum() == cap and not kept[:, 2].any()  # the hot expert keeps slot 0 only
+        np.testing.assert_array_equal(np.asarray(plan.row_kept_N).reshape(ids_XP.shape), kept, f"rotation {rotation}")
+        np.testing.assert_array_equal(np.asarray(plan.row_slot_N).reshape(ids_XP.shape), slot, f"rotation {rotation}")
+        assert int(plan.dropped) == dropped == 7
+        # The expert slots read back exactly the kept rows (the gather's inverse map).
+        slot_row, slot_valid = np.asarray(plan.slot_row_ER), np.asarray(plan.slot_valid_ER)
+        np.testing.assert_array_equal(slot_row[slot[kept]], np.flatnonzero(kept))
+        assert slot_valid.sum() == kept.sum()
+
+
 @pytest.mark.parametrize("waves", [1, 2])
 def test_waves_agree_without_drops(inputs, no_drop_run, waves):
     mesh = make_mesh(4, 2)
@@ -293,6 +331,38 @@ def test_gradient_has_no_scatter(inputs):
     row_op = r"= (?:f32|bf16|f16)\[[^\]]*\]\{[^}]*\} %s\("
     assert re.search(row_op % "gather", compiled)  # the pattern does match this HLO's row gathers
     assert not re.search(row_op % "scatter", compiled)
+
+
+def test_combine_accumulates_bf16_rows_in_fp32():
+    # 256 + 1 + 1 = 258 exactly in fp32. 257 is not a bf16 number (8 significand bits, ties to even), so a
+    # bf16 accumulator rounds 256 + 1 back to 256 and returns 256 (or 257 where XLA keeps excess precision).
+    src_NZ = jnp.asarray([[256.0], [1.0], [1.0]], jnp.bfloat16)
+    args = (src_NZ, jnp.ones((1, 3)), jnp.arange(3, dtype=jnp.int32)[None], jnp.ones((1, 3), bool),
+            jnp.arange(3, dtype=jnp.int32), jnp.ones((3,), bool))
+    for how, y in [("eager", combine_rows(*args)), ("jit", jax.jit(combine_rows)(*args))]:
+        assert y.dtype == jnp.float32, how
+        np.testing.assert_array_equal(np.asarray(y), [[258.0]], how)
+
+
+EXPERT_HIDDEN = 5  # F unlike every other size in this layout (T 32, Z 8, E 8, K 2, E_loc 2, P 1, R 2, W 3)
+
+
+def test_backward_keeps_no_expert_hidden_activations(capsys):
+    # SPEC §3: the expert MLPs are rematerialised per wave, so the backward keeps x_ERZ and the weights, never
+    # the [E_loc, R, F] gate/up/hidden activations: the only saved residuals whose last axis is F are w_gate
+    # and w_up, [..., Z, F] (saved as arguments, or as shard_map outputs where the weights are re-saved).
+    mesh = make_mesh(4, 2)
+    z, expert, weight, mask, *ws = make_inputs(n_tok=32, n_exp=8, hidden=EXPERT_HIDDEN)
+
+    def loss(z, weight, *ws):
+        return jnp.sum(routed_expert_parallel(z, expert, weight, mask, *ws, mesh=mesh)[0])
+
+    jax.ad_checkpoint.print_saved_residuals(loss, z, weight, *ws)
+    lines = capsys.readouterr().out.splitlines()  # "f32[16,2,5] output of ... from <file:line>" per residual
+    shapes = [tuple(int(d) for d in re.match(r"\w+\[([\d,]*)\]", x).group(1).split(",") if d) for x in lines]
+    assert any(shape[-2:] == (Z, EXPERT_HIDDEN) for shape in shapes), lines  # the parse does see F
+    hidden = [x for x, shape in zip(lines, shapes) if shape[-1:] == (EXPERT_HIDDEN,) and shape[-2:-1] != (Z,)]
+    assert not hidden, hidden
 
 
 def test_fewer_documents_per_shard_drop_more():

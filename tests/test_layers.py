@@ -179,6 +179,46 @@ def test_loss_at_large_logit_scale_matches_fp32_oracle_and_streamed_path():
     np.testing.assert_allclose(v_b, v_oracle_b, rtol=1e-3)
 
 
+# SPEC §6 at |logit| up to ~240 (head scale 30, the test above's): a bf16 logit there is off by up to 0.5 nats
+# (spacing 1 between 128 and 256), an fp32 one by ~1e-5 (observed 1.5e-5).
+LARGE_LOGIT_CE_ATOL = 1e-3
+# dh comes back in h's dtype, bf16: one rounding of the fp32 gradient is at most 2^-8 relative; twice that for
+# the fp32 sums before it. A softmax of bf16-rounded logits moves dh entries by tens of percent at this scale.
+LARGE_LOGIT_DH_RTOL = 2.0**-7
+LARGE_LOGIT_DH_ATOL = 1e-5  # fp32 noise on entries that cancel to ~0 (and the masked tokens' exact zeros)
+
+
+def _float64_loss_oracle(h, head, t, mask, z_weight):
+    """Per-token cross-entropy and d(loss)/dh of lm_loss's formula in float64, on the given (rounded) inputs."""
+    h64, w64, m = (np.asarray(x, np.float64) for x in (h[0], head, mask[0]))
+    tt = np.asarray(t[0])
+    logits = h64 @ w64
+    top = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+    p = np.exp(logits - lse[:, None])
+    # loss = sum_t m_t (ce_t + z_weight lse_t^2) / sum(m): d/dlogits = m_t / sum(m) ((1 + 2 z_weight lse_t) p - onehot)
+    dlogits = (m / m.sum())[:, None] * ((1 + 2 * z_weight * lse)[:, None] * p - np.eye(w64.shape[1])[tt])
+    return lse - logits[np.arange(len(tt)), tt], dlogits @ w64.T
+
+
+def test_bf16_loss_at_large_logit_scale_per_token_and_hidden_grad_match_fp32_oracle():
+    """SPEC §6, bf16 activations with logits ~ +-100 on the default (one-dot) head: each token's cross-entropy
+    and the gradient w.r.t. the hidden states against a float64 oracle of the same bf16-rounded inputs. The mean
+    loss alone (the test above) averages away logits rounded to bf16 in the forward; these do not."""
+    h, head, t, mask = _loss_inputs(30.0)
+    hb = h.astype(jnp.bfloat16)
+    ce_ref, dh_ref = _float64_loss_oracle(hb, head.astype(jnp.bfloat16), t, mask, 1e-4)
+    one_token = jnp.eye(t.shape[1], dtype=bool)[:, None]  # a mask per token: lm_loss's mean is that token's
+    # Op by op, not under jit: jitted, XLA's excess precision (xla_allow_excess_precision, on by default) drops a
+    # bf16 rounding that a convert back to fp32 follows, so bf16 logits would pass here and still round on a GPU.
+    ce = jax.vmap(lambda m: lm_loss(hb, head, t, m, 1e-4)["cross_entropy_loss"])(one_token)
+    dh = jax.grad(lambda h: lm_loss(h, head, t, mask, 1e-4)["loss"])(hb)
+    assert dh.dtype == jnp.bfloat16
+    np.testing.assert_allclose(ce, ce_ref, rtol=0, atol=LARGE_LOGIT_CE_ATOL)
+    np.testing.assert_allclose(np.asarray(dh[0], np.float64), dh_ref, rtol=LARGE_LOGIT_DH_RTOL,
+                               atol=LARGE_LOGIT_DH_ATOL)
+
+
 # The chunked LM head sums dh over vocab chunks in another order than one dot: fp32 rounding only.
 CHUNKED_HEAD_RTOL = 1e-5
 CHUNKED_HEAD_ATOL = 1e-6
