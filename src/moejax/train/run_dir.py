@@ -31,7 +31,6 @@ from moejax.diffs import first_difference
 from moejax.fsio import atomic_write, atomic_write_chunks
 from moejax.metrics import is_json_object
 from moejax.model.transformer import param_count
-from moejax.train.optimizer import optimizer_settings
 
 LIBRARIES = ("jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers")
 LOCK = ".lock"
@@ -246,6 +245,8 @@ def _check_same_run(run_dir: Path, old: dict, new: dict, store_may_move: bool = 
 # ---- files ---------------------------------------------------------------------------------------------
 def run_info(cfg: RunConfig, peak: float) -> dict:
     """What reproduces the run from its log (STYLE rule 10)."""
+    from moejax.train.optimizer import optimizer_settings  # here: `summary` and `report` read this module, not optax
+
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).parent).stdout.strip()
