@@ -173,17 +173,16 @@ def test_param_groups_by_field_name():
 # MuonH: the hidden weight matrices (attention, GatedNorm, latent, routed and shared experts); AdamH: the LM
 # head; Adam: embedding, router, head gate, norm gains (the latent norm's too) and the SConv taps.
 _NORM = {"gain": "adam", "down": "muonh", "up": "muonh"}  # RMSNorm gain + GatedNorm W_down / W_up
-# The router bias: SPEC §4 lists it under Adam, SPEC §2 calls it "non-trained" (QB sets it), and the code
-# freezes it (no gradient reaches it, so Adam without decay would not move it either). Both are accepted
-# here until the spec is settled; test_param_groups_by_field_name pins the code's "frozen".
-_ROUTER_BIAS_GROUPS = ("frozen", "adam")
+# The router bias: SPEC §4 lists it under Adam, but §2 calls it "non-trained" (quantile balancing sets it each
+# step), so it is frozen: no optimizer state, no update. No gradient reaches it, so Adam without decay would not
+# move it either; only the state would differ.
 SPEC_PARAM_GROUPS = {
     "embed": "adam", "lm_head": "adamh",
     **{f"{norm}.{leaf}": group for norm in ("embed_norm", "final_norm", "blocks.attn_norm", "blocks.moe_norm")
        for leaf, group in _NORM.items()},
     "blocks.attn.wq": "muonh", "blocks.attn.wk": "muonh", "blocks.attn.wv": "muonh", "blocks.attn.wo": "muonh",
     "blocks.attn.head_gate": "adam", "blocks.attn.conv_k": "adam", "blocks.attn.conv_out": "adam",
-    "blocks.moe.router": "adam", "blocks.moe.router_bias": _ROUTER_BIAS_GROUPS,
+    "blocks.moe.router": "adam", "blocks.moe.router_bias": "frozen",
     "blocks.moe.lat_down": "muonh", "blocks.moe.lat_norm": "adam", "blocks.moe.lat_up": "muonh",
     "blocks.moe.w_gate": "muonh", "blocks.moe.w_up": "muonh", "blocks.moe.w_down": "muonh",
     "blocks.moe.shared_gate": "muonh", "blocks.moe.shared_up": "muonh", "blocks.moe.shared_down": "muonh",
@@ -198,9 +197,7 @@ def test_every_model_parameter_is_in_its_spec_group():
     labels = {".".join(k.name for k in path): group
               for path, group in jax.tree_util.tree_flatten_with_path(param_labels(params))[0]}
     assert sorted(labels) == sorted(SPEC_PARAM_GROUPS)
-    wrong = {name: (group, SPEC_PARAM_GROUPS[name]) for name, group in labels.items()
-             if group not in (SPEC_PARAM_GROUPS[name] if isinstance(SPEC_PARAM_GROUPS[name], tuple)
-                              else (SPEC_PARAM_GROUPS[name],))}
+    wrong = {name: (group, SPEC_PARAM_GROUPS[name]) for name, group in labels.items() if group != SPEC_PARAM_GROUPS[name]}
     assert not wrong, f"(code's group, spec's group) per parameter: {wrong}"
 
 
