@@ -543,8 +543,8 @@ class CheckpointManager:
         except BaseException as e:
             if lost_peer(e) is not None:  # orbax's own close would wait for the lost process's shards too
                 self.abandon()
-                raise
-            self._close_orbax()
+            else:
+                self._close_orbax()
             raise
         self._close_orbax()
 

@@ -249,6 +249,11 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
     saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
+
+    def save(at: int, kind: str) -> None:
+        writer.sync()  # the rows a checkpoint covers are on disk before it
+        s.ckpt.save(at, s.state, kind=kind, extra_metadata=saved)
+
     try:
         if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
@@ -281,17 +286,14 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                 faults.sigterm_now()
             saved["data_step"] = step + 1
             if not last and guard.stop_requested():  # in the last step: finish as usual (final save, summary)
-                writer.sync()
-                s.ckpt.save(step + 1, s.state, kind="temporary", extra_metadata=saved)
+                save(step + 1, "temporary")
                 s.ckpt.wait()
                 raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
                                 "run the same command again to resume")
             if not last and (kind := s.ckpt.should_save(step + 1)):
-                writer.sync()  # the rows a checkpoint covers are on disk before it
-                s.ckpt.save(step + 1, s.state, kind=kind, extra_metadata=saved)
+                save(step + 1, kind)
         if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
-            writer.sync()
-            s.ckpt.save(int(s.state.step), s.state, kind="final", extra_metadata=saved)
+            save(int(s.state.step), "final")
         if faults.sigterm_at_end():  # fault injection: a signal while the final checkpoint commits
             faults.sigterm_now()
     finally:
