@@ -138,7 +138,7 @@ class TrainConfig:
     batch_size: int = 11_264  # sequences per step (global)
     steps: int = 390_139
     seed: int = 0
-    optimizer: str = "adam"  # "adam" (plain optax Adam on every parameter) or "hero" (MuonH/AdamH/Adam)
+    optimizer: str = "hero"  # "hero" (MuonH/AdamH/Adam, SPEC §4) or "adam" (plain optax Adam on every parameter)
     learning_rate: float = 3e-3
     warmup_fraction: float = 0.01
     min_lr_fraction: float = 0.05
