@@ -29,6 +29,8 @@ def test_count_json_hero(capsys):
     assert main(["count", "hero"]) == 0
     text = capsys.readouterr().out
     assert "2.695e+24" in text and "[the rule we use]" in text and "2.458e+24" in text  # SPEC §1: says which rule
+    for term in ("94,371,840", "2,359,296", "37,748,736", "113,246,208", "10,871,635,968", "226,492,416"):
+        assert term in text  # SPEC §1's per-layer terms: "a command prints these"
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -21,14 +21,20 @@ from moejax.config import ModelConfig, RunConfig
 SOFTMAX_FLOPS_PER_SCORE = 3  # per attention score: mask/scale, exp, normalise (hero: +9.6e20 of 2.695e24)
 
 
-def _layer_params(m: ModelConfig, routed_experts: int) -> int:
+def layer_terms(m: ModelConfig) -> dict[str, int]:
+    """One layer's parameters by SPEC §1's terms (what `moejax count` prints per layer): attention
+    d*H*h + 2*d*kv*h + H*h*d, router d*E, latent projections 2*d*l, shared n_shared*3*d*shared_width, all
+    routed experts E*3*l*I, and the K of them a token uses."""
     d = m.d_model
-    attn = d * m.q_dim + 2 * d * m.kv_dim + m.q_dim * d
-    router = d * m.n_experts
-    latent = 2 * d * m.latent_width
-    shared = m.n_shared * 3 * d * m.shared_width
-    routed = routed_experts * 3 * m.latent_width * m.expert_width
-    return attn + router + latent + shared + routed
+    per_expert = 3 * m.latent_width * m.expert_width
+    return {"attention": d * m.q_dim + 2 * d * m.kv_dim + m.q_dim * d, "router": d * m.n_experts,
+            "latent": 2 * d * m.latent_width, "shared": m.n_shared * 3 * d * m.shared_width,
+            "routed": m.n_experts * per_expert, "routed_active": m.top_k * per_expert}
+
+
+def _layer_params(m: ModelConfig, routed_experts: int) -> int:
+    t = layer_terms(m)
+    return t["attention"] + t["router"] + t["latent"] + t["shared"] + routed_experts * t["routed"] // m.n_experts
 
 
 def total_params(m: ModelConfig) -> int:
@@ -63,6 +69,7 @@ def summary(cfg: RunConfig, exact_params: int | None = None) -> dict:
     fwd = fwd_flops_per_token(m, t.seq_len)
     out = {
         "preset": cfg.name,
+        "layer_params": layer_terms(m),
         "total_params": total_params(m),
         "active_params": active_params(m),
         "exact_params": exact_params,
@@ -76,6 +83,14 @@ def summary(cfg: RunConfig, exact_params: int | None = None) -> dict:
     return out
 
 
+LAYER_LABELS = {
+    "attention": "attention (d*H*h + 2*d*kv*h + H*h*d)",
+    "router": "router (d*E)",
+    "latent": "latent projections (2*d*latent)",
+    "shared": "shared experts (n_shared*3*d*shared width)",
+    "routed": "routed experts, all (E*3*latent*I)",
+    "routed_active": "routed experts, active (K*3*latent*I)",
+}
 LABELS = {
     "total_params": "total parameters (L*(attn+router+latent+shared+all routed) + 2*V*d)",
     "active_params": "active parameters (L*(attn+router+latent+shared+K routed); no embedding/head)",
@@ -90,7 +105,8 @@ LABELS = {
 
 
 def format_summary(s: dict) -> str:
-    lines = [f"moejax count: preset {s['preset']}"]
+    lines = [f"moejax count: preset {s['preset']}", "  per layer:"]
+    lines += [f"    {label:<80} {s['layer_params'][key]:,}" for key, label in LAYER_LABELS.items()]
     for key, label in LABELS.items():
         v = s[key]
         txt = f"{v:,}" if isinstance(v, int) else f"{v:.4g}"

@@ -63,7 +63,7 @@ class RunOptions:
     wandb: str = "offline"
     wandb_project: str = "moejax"
     wandb_run_name: str = ""  # default: the run directory's name
-    peak_flops: float = 0.0  # 0: measure this machine's fp32 matmul peak at start
+    peak_flops: float = 0.0  # per device; 0: measure the matmul peak at start (bf16 on GPU/TPU, fp32 on CPU)
     progress: bool = True
     init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
 
