@@ -25,6 +25,7 @@ from moejax.model.moe.router import route, router_stats
 from moejax.model.transformer import Transformer, forward, model_loss
 from moejax.presets import HERO_MODEL
 from tests.helpers import toy_batch, toy_model
+from tests.test_recipe_formulas import ref_sconv
 
 # SPEC §2 constants, written here rather than read from the config, so a changed default fails the tests.
 SPEC_NORM_EPS = 1e-5
@@ -60,17 +61,6 @@ def _ref_norm(x, gain, down, up, eps=SPEC_NORM_EPS):
     h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gain
     low = h @ down
     return h * _sigmoid((low * _sigmoid(low)) @ up)
-
-
-def _ref_sconv(x, taps, seg):
-    """y[t] = sum_j taps[j] x[t-j], x[t-j] taken only when t-j >= 0 lies in t's document."""
-    seq = x.shape[1]
-    y = np.zeros_like(x)
-    for j in range(taps.shape[0]):
-        shifted = np.concatenate([np.zeros_like(x[:, :j]), x[:, :seq - j]], axis=1)
-        seg_shifted = np.concatenate([np.full_like(seg[:, :j], -1), seg[:, :seq - j]], axis=1)
-        y = y + np.where((seg_shifted == seg)[..., None], shifted, 0.0) * taps[j]
-    return y
 
 
 def _random_taps(key, shape):
@@ -150,7 +140,7 @@ def test_norm_sites_and_residuals_of_the_whole_model():
         blk = jax.tree.map(lambda a: a[i], params.blocks)
         x = x + attention(blk.attn, blk.attn_norm(x, eps), seg, pos, is_global, cfg)
         y, _ = moe_mix(blk.moe, blk.moe_norm(x, eps), seg, cfg)
-        x = x + _ref_sconv(np.asarray(y, np.float64), np.asarray(blk.moe.conv_out, np.float64), np.asarray(seg))
+        x = x + ref_sconv(np, np.asarray(y, np.float64), np.asarray(blk.moe.conv_out, np.float64), np.asarray(seg))
     want = params.final_norm(jnp.asarray(x, jnp.float32), eps)
     _assert_rel_close(got, want, SAME_OPS_RTOL, "forward vs the hand-wired block chain")
 
@@ -165,7 +155,7 @@ def test_moe_block_applies_its_output_sconv_within_documents():
     seg = jnp.asarray([[1] * 4 + [2] * 6, [1] * 7 + [0] * 3])
     got, _ = moe_block(p, m, seg, cfg)
     mix, _ = moe_mix(p, m, seg, cfg)
-    want = _ref_sconv(np.asarray(mix, np.float64), np.asarray(p.conv_out, np.float64), np.asarray(seg))
+    want = ref_sconv(np, np.asarray(mix, np.float64), np.asarray(p.conv_out, np.float64), np.asarray(seg))
     _assert_rel_close(got, want, FP32_VS_FP64_RTOL, "moe_block vs SConv(moe_mix)")
 
 
