@@ -5,7 +5,9 @@ against an independent reference (plain XLA in fp32 or numpy):
   document, documents numbered downwards): the bounds must still cover every block holding a live pair;
 - the flash kernel's dtypes: fp32 output for bf16 q/k/v, gradients in the inputs' dtypes;
 - the grouped SwiGLU's weight gradients in the (bf16) weights' dtype on the kernel path;
-- `ns_gpu.matmul_add`'s result in c's dtype when a/b are bf16 and c is fp32."""
+- `ns_gpu.matmul_add`'s result in c's dtype when a/b are bf16 and c is fp32;
+- the row-mapped kernels' scattered stores carry their mask (in the kernel's jaxpr: the interpreter drops the
+  padding lanes' out-of-range writes either way, a GPU would write them past the output)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,8 @@ import pytest
 
 from moejax.model.flash_gpu import FlashBlocks, document_bounds, flash_attention
 from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, chosen
-from moejax.model.moe.grouped import grouped_swiglu
+from moejax.model.moe import grouped_gpu
+from moejax.model.moe.grouped import grouped_swiglu, make_layout, row_maps
 from moejax.train import ns_gpu
 from tests.test_grouped import UNALIGNED, _problem, per_row_reference
 
@@ -89,9 +92,12 @@ def test_flash_kernel_with_unsorted_segment_ids_equals_dense(h, g):
     skipped the query block that holds the padding's (or the lower-numbered document's) first queries."""
     q, k, v = _qkv(h, g, jnp.float32)
     seg = jnp.asarray(SEG_UNSORTED)
-    want = _value_and_grads(lambda q, k, v: _dense_attention(q, k, v, seg, SCALE), q, k, v)
-    got = _value_and_grads(lambda q, k, v: flash_attention(q, k, v, seg, SCALE, None, BLOCKS, True), q, k, v)
-    np.testing.assert_allclose(got[0], want[0], rtol=RTOL_FP32)
+    dense = lambda q, k, v: _dense_attention(q, k, v, seg, SCALE)
+    flash = lambda q, k, v: flash_attention(q, k, v, seg, SCALE, None, BLOCKS, True)
+    # The outputs element by element (not the scalar below: a sum of ~1,500 terms, whose fp32 rounding
+    # relative to its own small value is no measure of the kernel's).
+    np.testing.assert_allclose(jax.jit(flash)(q, k, v), dense(q, k, v), rtol=RTOL_FP32, atol=ATOL_FP32)
+    want, got = _value_and_grads(dense, q, k, v), _value_and_grads(flash, q, k, v)
     for a, b, name in zip(got[1], want[1], "qkv"):
         np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=f"d{name}")
 
@@ -148,3 +154,40 @@ def test_matmul_add_result_in_c_dtype():
     # fp32 rounding of sums of 48 terms: a few fp32 ulps of the largest term (|ref| up to ~40), far below
     # one bf16 rounding (2^-8 relative) that the mutant adds.
     np.testing.assert_allclose(f64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def _kernel_stores(closed_jaxpr):
+    """(ref, indexers, value, mask) of every store (`swap` / `masked_swap`) in the Pallas kernels under a jaxpr."""
+    stores = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in ("swap", "masked_swap"):
+                stores.append(jax.tree_util.tree_unflatten(eqn.params["args_tree"], eqn.invars))
+            for p in eqn.params.values():
+                inner = getattr(p, "jaxpr", p)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+    walk(closed_jaxpr.jaxpr)
+    return stores
+
+
+def test_row_mapped_stores_are_masked():
+    """A kernel writing its result through a row map points the padding rows (-1 in the map) at row n_out,
+    one past the output, and masks them off. The Pallas interpreter drops an out-of-range scatter, so values
+    can't show a lost mask (a mutant without it passed every value test); on a GPU it would write past the
+    output. So: every scattered store (array row indices) in the forward and dx kernels with rows_out carries
+    a mask."""
+    x, expert_A, (w, _, _), _ = _problem(7, UNALIGNED, Z=32, F=48)
+    layout = make_layout(expert_A, len(UNALIGNED), 16)
+    src, dst = row_maps(layout)
+    n, e, c = x.shape[0], layout.expert_Bk, layout.blocks_E
+    dy = jnp.zeros((n, 48))
+    for name, f, args in (("forward", grouped_gpu.matmul, (x, w, e, c)), ("dx", grouped_gpu.matmul_dx, (dy, w, e, c))):
+        rows_in = src if name == "forward" else dst
+        jaxpr = jax.make_jaxpr(lambda *a: f(*a, rows_in=rows_in, rows_out=dst, n_out=n, interpret=True))(*args)
+        scattered = [st for st in _kernel_stores(jaxpr)
+                     if any(not isinstance(i, slice) and getattr(i, "aval", None) is not None and i.aval.ndim > 0
+                            for ix in st[1] for i in ix.indices)]
+        assert scattered, f"{name}: no scattered store found (the test would pass vacuously)"
+        assert all(st[3] is not None for st in scattered), f"{name}: a row-mapped store without its mask"
