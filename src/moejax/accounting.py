@@ -32,17 +32,18 @@ def layer_terms(m: ModelConfig) -> dict[str, int]:
             "routed": m.n_experts * per_expert, "routed_active": m.top_k * per_expert}
 
 
-def _layer_params(m: ModelConfig, routed_experts: int) -> int:
+def _layer_params(m: ModelConfig, routed: str) -> int:
+    """One layer's parameters with the routed experts' term `routed` ("routed": all E, "routed_active": K)."""
     t = layer_terms(m)
-    return t["attention"] + t["router"] + t["latent"] + t["shared"] + routed_experts * t["routed"] // m.n_experts
+    return t["attention"] + t["router"] + t["latent"] + t["shared"] + t[routed]
 
 
 def total_params(m: ModelConfig) -> int:
-    return m.n_layers * _layer_params(m, m.n_experts) + 2 * m.vocab_size * m.d_model
+    return m.n_layers * _layer_params(m, "routed") + 2 * m.vocab_size * m.d_model
 
 
 def active_params(m: ModelConfig) -> int:
-    return m.n_layers * _layer_params(m, m.top_k)
+    return m.n_layers * _layer_params(m, "routed_active")
 
 
 def fwd_flops_per_token(m: ModelConfig, seq_len: int) -> float:
