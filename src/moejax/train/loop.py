@@ -367,14 +367,16 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
 
 
 def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=lambda b: b) -> dict:
-    """Held-out loss and bits per byte over the first `n_batches` eval batches (always the same ones)."""
-    ce, toks, nbytes, drops = 0.0, 0.0, 0.0, []
+    """Held-out loss, bits per byte and drop fraction over the first `n_batches` eval batches (always the same
+    ones), each pooled over them: sums of CE over sums of tokens, of bytes, and dropped over valid assignments
+    (SPEC §3's drop fraction; a mean of per-batch fractions would weight a batch of padding like a full one)."""
+    sums = dict.fromkeys(("ce_sum", "tokens", "bytes", "dropped", "valid"), 0.0)
     for i in range(n_batches):
         out = jax.device_get(eval_fn(params, to_global(data.batch(i)), bpt))
-        ce, toks, nbytes = ce + float(out["ce_sum"]), toks + float(out["tokens"]), nbytes + float(out["bytes"])
-        drops.append(float(out["moe/drop_fraction"]))
-    return {f"{prefix}loss": ce / max(toks, 1.0), f"{prefix}bpb": ce / np.log(2.0) / max(nbytes, 1.0),
-            f"{prefix}drop_fraction": float(np.mean(drops))}
+        sums = {k: v + float(out[k]) for k, v in sums.items()}
+    ce = sums["ce_sum"]
+    return {f"{prefix}loss": ce / max(sums["tokens"], 1.0), f"{prefix}bpb": ce / np.log(2.0) / max(sums["bytes"], 1.0),
+            f"{prefix}drop_fraction": sums["dropped"] / max(sums["valid"], 1.0)}
 
 
 @jax.jit

@@ -164,7 +164,10 @@ def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
         _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers,
                             attention_kernel=attention_kernel, layer_weights=layer_weights)
         n_bytes = jnp.sum(jnp.where(batch["loss_mask"], bytes_per_token[batch["targets"]], 0))
+        layers = aux["layers"]
+        dropped = jnp.sum(layers["sender_dropped"]) + jnp.sum(layers["receiver_dropped"])
         return {"ce_sum": aux["cross_entropy_loss"] * aux["tokens"], "tokens": aux["tokens"],
-                "bytes": n_bytes.astype(jnp.float32), **moe_metrics(aux["layers"], cfg.n_layers)}
+                "bytes": n_bytes.astype(jnp.float32), "dropped": dropped.astype(jnp.float32),
+                "valid": jnp.sum(layers["valid"]).astype(jnp.float32), **moe_metrics(layers, cfg.n_layers)}
 
     return eval_step
