@@ -15,7 +15,7 @@ from importlib.metadata import version
 # Not set: --xla_allow_excess_precision=false. XLA (default on) may drop a bf16 rounding inside one jit when a
 # convert back to fp32 follows, so a test of bf16 rounding (a dtype bug) can pass jitted on CPU and still fail
 # on a GPU: such tests run op by op or jit with compiler_options={"xla_allow_excess_precision": False}. The
-# suite passes with the flag too (534 tests, docs/LOG.md 2026-12-05, twenty-seventh session).
+# suite passes with the flag too (604 tests, docs/LOG.md 2026-12-05, twenty-seventh session).
 _LOOP_EMITTERS = tuple(map(int, version("jaxlib").split(".")[:2])) < (0, 11)  # read before jax is imported
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
           *(["--xla_cpu_use_fusion_emitters=false"] if _LOOP_EMITTERS else []))
