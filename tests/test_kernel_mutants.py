@@ -19,16 +19,16 @@ from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, chosen
 from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import grouped_swiglu, make_layout, row_maps
 from moejax.train import ns_gpu
+from tests.test_attention_fast import SCALE
 from tests.test_grouped import UNALIGNED, _problem, per_row_reference
+from tests.test_grouped_gpu import RTOL_BF16_NORM
 
 # fp32 kernel against the fp32 dense reference: same math, different summation order (as test_attention_fast).
 RTOL_FP32 = 1e-5
 ATOL_FP32 = 2e-6
 # bf16 operands against an fp32 reference on the same bf16-rounded values, relative Frobenius norm: the kernels
 # round to bf16 a few times in a chain (attention: p before p @ v, dS before its dots; the grouped SwiGLU:
-# gate/up, activation, down and their backward), each at most one unit roundoff 2^-8; four of them is the bound.
-RTOL_BF16_NORM = 4 * 2.0 ** -8
-SCALE = 0.45
+# gate/up, activation, down and their backward), each at most one unit roundoff 2^-8: test_grouped_gpu's four.
 
 # Segment ids per key (S = 24), not ascending inside a block: row 0 is padded with id 0 from key 12 on
 # (the padding starts mid query block of 8 and fills the key block of 4 at keys 12-15); row 1 numbers its

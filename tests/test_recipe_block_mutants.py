@@ -25,7 +25,7 @@ from moejax.model.moe.router import route, router_stats
 from moejax.model.transformer import Transformer, forward, model_loss
 from moejax.presets import HERO_MODEL
 from tests.helpers import toy_batch, toy_model
-from tests.test_recipe_formulas import ref_sconv
+from tests.test_recipe_formulas import TRUNC, ref_sconv, truncated_normal_moments
 
 # SPEC §2 constants, written here rather than read from the config, so a changed default fails the tests.
 SPEC_NORM_EPS = 1e-5
@@ -288,7 +288,7 @@ def test_hero_preset_carries_the_spec_block_constants():
 # Sample statistics of one matrix: its std within this many standard errors of sigma_t (the truncated normal's
 # std at sigma); the wrong fan-in tested here changes the std by a factor sqrt(2).
 N_SE = 5.0
-TRUNC_STD = 0.98658  # std of a standard normal truncated to [-3, 3] (test_recipe_formulas derives it)
+TRUNC_STD = truncated_normal_moments(TRUNC)[0]  # std of a standard normal truncated to [-3, 3]: 0.98658
 
 
 def test_init_sigma_uses_d_model_for_every_fan_in():

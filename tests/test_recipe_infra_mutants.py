@@ -11,7 +11,6 @@ import os
 import shutil
 import threading
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,15 +22,8 @@ from moejax.data.store import SourceTokens, Store, StoreError, open_store, sha25
 from moejax.fsio import atomic_write_chunks
 from moejax.presets import preset
 from moejax.train.run_dir import RunError, prepare_run_dir
+from tests.test_checkpoint import steps_on_disk, tiny_state
 from tests.test_data_loader import EOS, VOCAB, cfg, source_of_rows, synthetic_store
-
-
-def tiny_state(step):
-    return {"step": jnp.int32(step), "x": jnp.full((4,), float(step))}
-
-
-def complete_steps(run_dir):
-    return [i.step for i in ck.list_checkpoints(run_dir) if i.complete]
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -72,7 +64,7 @@ def _save_held_before_its_marker(tmp_path, monkeypatch):
     mgr.save(SAVED_STEP, tiny_state(SAVED_STEP))
     assert entered.wait(timeout=30)
     try:
-        assert complete_steps(tmp_path) == []
+        assert steps_on_disk(tmp_path) == []
     finally:
         release.set()
     mgr.wait()
@@ -83,7 +75,7 @@ def test_a_checkpoint_is_not_complete_while_its_arrays_are_being_written(tmp_pat
     """SPEC §5 'written atomically': until the array write has finished, the step dir must not look complete
     (a kill -9 then would leave a torn checkpoint that a resume trusts). The marker comes strictly after."""
     _save_held_before_its_marker(tmp_path, monkeypatch)
-    assert complete_steps(tmp_path) == [SAVED_STEP]
+    assert steps_on_disk(tmp_path) == [SAVED_STEP]
 
 
 def test_a_save_over_a_broken_checkpoint_of_that_step_is_not_complete_until_written(tmp_path, monkeypatch):
@@ -143,7 +135,7 @@ def test_a_temporary_save_never_demotes_a_permanent_checkpoint(tmp_path):
         mgr.save(PERMANENT_EVERY, tiny_state(PERMANENT_EVERY), kind="temporary")
         mgr.wait()
         mgr.save(PERMANENT_EVERY + 2, tiny_state(PERMANENT_EVERY + 2), kind="temporary")
-    assert complete_steps(tmp_path) == [PERMANENT_EVERY, PERMANENT_EVERY + 2]
+    assert steps_on_disk(tmp_path) == [PERMANENT_EVERY, PERMANENT_EVERY + 2]
     meta = json.loads((tmp_path / "checkpoints" / ck.step_dir_name(PERMANENT_EVERY) / ck.METADATA).read_text())
     assert meta["temporary"] is False
 
@@ -157,7 +149,7 @@ def test_a_checkpoint_with_unreadable_metadata_is_never_deleted(tmp_path):
         damaged = tmp_path / "checkpoints" / ck.step_dir_name(PERMANENT_EVERY)
         (damaged / ck.METADATA).write_text("{not json")
         mgr.save(PERMANENT_EVERY + 1, tiny_state(PERMANENT_EVERY + 1), kind="temporary")
-    assert (damaged / ck.STATE).is_dir() and complete_steps(tmp_path) == [PERMANENT_EVERY, PERMANENT_EVERY + 1]
+    assert (damaged / ck.STATE).is_dir() and steps_on_disk(tmp_path) == [PERMANENT_EVERY, PERMANENT_EVERY + 1]
 
 
 def test_every_process_falls_back_when_another_could_not_restore_the_newest(tmp_path, monkeypatch):
@@ -212,6 +204,12 @@ def test_a_restart_with_another_data_mixture_is_refused(tmp_path, change):
 # ---------------------------------------------------------------------------------------------- data
 
 
+def one_source_store(docs) -> Store:
+    """An in-memory store of one source "a" holding `docs` (token lists), each closed by EOS."""
+    sources = {"a": SourceTokens.from_documents("a", docs, EOS)}
+    return Store("", "synthetic", VOCAB, EOS, np.ones(VOCAB, np.int32), sources)
+
+
 SEQ = 16
 N_TRAIN_DOCS = 9
 HELDOUT_TOKEN = N_TRAIN_DOCS + 1  # the held-out document's token value
@@ -222,8 +220,7 @@ def test_training_never_reads_a_heldout_token_even_as_the_last_target():
     seq_len + 1 tokens, so the last whole window must stop one short, or its final target is the first token of
     the held-out (eval) documents. Every train window is visited (20 rows > 8 windows)."""
     docs = [[d + 1] * (SEQ - 1) for d in range(N_TRAIN_DOCS)] + [[HELDOUT_TOKEN] * 40]
-    store = Store("", "synthetic", VOCAB, EOS, np.ones(VOCAB, np.int32),
-                  {"a": SourceTokens.from_documents("a", docs, EOS)})
+    store = one_source_store(docs)
     assert store.sources["a"].heldout_cut(0.1) == N_TRAIN_DOCS * SEQ  # the split ends on a window boundary
     data = make_data(cfg(steps=5, seq_len=SEQ, batch=4, heldout_fraction=0.1), store=store)
     for step in range(5):
@@ -234,8 +231,7 @@ def test_training_never_reads_a_heldout_token_even_as_the_last_target():
 def test_a_token_id_equal_to_the_vocab_size_is_refused_by_the_loader():
     """Ids run 0..vocab_size-1; vocab_size itself is out of range (an embedding lookup would clamp it)."""
     docs = [[VOCAB] * 30 for _ in range(20)]
-    store = Store("", "synthetic", VOCAB, EOS, np.ones(VOCAB, np.int32),
-                  {"a": SourceTokens.from_documents("a", docs, EOS)})
+    store = one_source_store(docs)
     data = make_data(cfg(steps=5, seq_len=SEQ, batch=4), store=store)
     with pytest.raises(StoreError, match=f"token id {VOCAB} .*>= the tokenizer's vocab_size {VOCAB}"):
         data.train.batch(0)
@@ -252,8 +248,7 @@ def test_an_out_of_range_id_only_among_the_targets_is_refused():
     the order of windows does not depend on token values."""
     def loader(mark):
         toks = [[1] * 47 for _ in range(2)] + [[1] * 40]
-        store = Store("", "synthetic", VOCAB, EOS, np.ones(VOCAB, np.int32),
-                      {"a": SourceTokens.from_documents("a", toks, EOS)})
+        store = one_source_store(toks)
         store.sources["a"].tokens[MARKER_AT] = mark
         return make_data(cfg(steps=6, seq_len=SEQ, batch=1, heldout_fraction=0.3), store=store).train
 
@@ -385,7 +380,7 @@ def test_each_checkpoint_records_the_data_position_it_resumes_at(run_dir):
     """SPEC §5: permanent checkpoints every N steps (tiny_run: N = 1, 2 steps, so after steps 1 and 2), and
     resume is exact, data position included: data order is a function of (seed, step), so the position a
     checkpoint after step N resumes at is step N, and its metadata must say so."""
-    steps = complete_steps(run_dir)
+    steps = steps_on_disk(run_dir)
     assert steps == [1, 2]
     for step in steps:
         meta = json.loads((run_dir / "checkpoints" / ck.step_dir_name(step) / ck.METADATA).read_text())

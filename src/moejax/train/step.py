@@ -39,13 +39,18 @@ def routing_entropy(load_LE: jax.Array) -> jax.Array:
     return -jnp.sum(frac * jnp.log(frac + ROUTING_ENTROPY_EPS), axis=-1)
 
 
+def drop_counts(layers: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sender-dropped, receiver-dropped, valid) assignments summed over the layers, fp32: the drop fraction's
+    parts (SPEC §3), which `evaluate` also pools over eval batches."""
+    return tuple(jnp.sum(layers[k]).astype(jnp.float32) for k in ("sender_dropped", "receiver_dropped", "valid"))
+
+
 def moe_metrics(layers: dict, n_layers: int, prefix: str = "") -> dict:
     """Scalars from the per-layer stats stacked along L, under the reference dashboard's names where it has
     one (README "Metric names"): `train/router/layer_{i}/{capacity_overflow_rate, routing_entropy,
     load_balancing_loss, router_z_loss}` and their layer means."""
-    valid = jnp.maximum(jnp.sum(layers["valid"]), 1).astype(jnp.float32)
-    sender = jnp.sum(layers["sender_dropped"]).astype(jnp.float32)
-    receiver = jnp.sum(layers["receiver_dropped"]).astype(jnp.float32)
+    sender, receiver, valid = drop_counts(layers)
+    valid = jnp.maximum(valid, 1.0)
     overflow_L = ((layers["sender_dropped"] + layers["receiver_dropped"])
                   / jnp.maximum(layers["valid"], 1)).astype(jnp.float32)
     entropy_L = routing_entropy(layers["load"])
@@ -164,10 +169,9 @@ def make_eval_step(cfg: ModelConfig, routed: RoutedFn = routed_local_with_stats,
         _, aux = model_loss(params, batch, cfg, routed, remat=False, scan_layers=scan_layers,
                             attention_kernel=attention_kernel, layer_weights=layer_weights)
         n_bytes = jnp.sum(jnp.where(batch["loss_mask"], bytes_per_token[batch["targets"]], 0))
-        layers = aux["layers"]
-        dropped = jnp.sum(layers["sender_dropped"]) + jnp.sum(layers["receiver_dropped"])
+        sender, receiver, valid = drop_counts(aux["layers"])
         return {"ce_sum": aux["cross_entropy_loss"] * aux["tokens"], "tokens": aux["tokens"],
-                "bytes": n_bytes.astype(jnp.float32), "dropped": dropped.astype(jnp.float32),
-                "valid": jnp.sum(layers["valid"]).astype(jnp.float32), **moe_metrics(layers, cfg.n_layers)}
+                "bytes": n_bytes.astype(jnp.float32), "dropped": sender + receiver, "valid": valid,
+                **moe_metrics(aux["layers"], cfg.n_layers)}
 
     return eval_step
