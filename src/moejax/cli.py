@@ -104,6 +104,17 @@ def _env_first(*names: str) -> str | None:
     return next((os.environ[n] for n in names if os.environ.get(n)), None)
 
 
+def _env_int(*names: str) -> int | None:
+    """The first of these launcher variables that is set, as an int; a ConfigError naming it if it is not one."""
+    name = next((n for n in names if os.environ.get(n)), None)
+    if name is None:
+        return None
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={os.environ[name]!r} must be an integer") from None
+
+
 def _distributed_from_env(args) -> None:
     """Fill unset flags from the launcher's environment (docs/LAUNCH.md): only when a coordinator is named
     there, so a stray RANK or SLURM_PROCID alone never turns a run multi-process."""
@@ -112,10 +123,10 @@ def _distributed_from_env(args) -> None:
         args.coordinator = _env_first("JAX_COORDINATOR_ADDRESS") or (f"{addr}:{port}" if addr and port else None)
     if args.coordinator is None:
         return
-    if args.num_processes is None and (n := _env_first("JAX_NUM_PROCESSES", "SLURM_NTASKS", "WORLD_SIZE")):
-        args.num_processes = int(n)
-    if args.process_id is None and (i := _env_first("JAX_PROCESS_ID", "SLURM_PROCID", "RANK")):
-        args.process_id = int(i)
+    if args.num_processes is None:
+        args.num_processes = _env_int("JAX_NUM_PROCESSES", "SLURM_NTASKS", "WORLD_SIZE")
+    if args.process_id is None:
+        args.process_id = _env_int("JAX_PROCESS_ID", "SLURM_PROCID", "RANK")
 
 
 def _validate_processes(args) -> None:

@@ -175,6 +175,8 @@ class TrainConfig:
         _finite_floats(self)
         _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "checkpoint_every",
                   "temp_checkpoint_minutes")
+        # jax.random.key takes a non-negative int64, numpy's Generator (the data order) a non-negative int.
+        _require(0 <= self.seed < 2**63, f"seed ({self.seed}) must be in [0, 2**63)")
         _require(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction ({self.warmup_fraction}) must be in [0, 1)")
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")

@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from moejax.data.sources import ReadOptions, SourceError, expand_paths, input_bytes, read_documents
-from moejax.data.store import SOURCE_NAME, NpyAppender, StoreError, StoreWriter, new_manifest, token_dtype
+from moejax.data.store import SOURCE_NAME, STORE_FILES, NpyAppender, StoreError, StoreWriter, new_manifest, token_dtype
 from moejax.data.tokenizer import tokenizer_from_spec
 
 
@@ -29,6 +29,8 @@ def parse_source_args(items: list[str]) -> dict[str, list[str]]:
         if not SOURCE_NAME.match(name):
             raise SourceError(f"--source name {name!r} must be letters, digits, '_', '.', '-' (not starting with one "
                               "of the last three)")
+        if name in STORE_FILES:  # its directory would be the store's own file of that name
+            raise SourceError(f"--source name {name!r} is one of the store's own files ({', '.join(STORE_FILES)})")
         if name in out:
             raise SourceError(f"--source {name!r} is given twice")
         out[name] = [p for p in paths.split(",") if p]
