@@ -21,8 +21,9 @@ from tests.test_attention_fast import ATOL_FP32, RTOL_FP32, SCALE
 from tests.test_grouped import BF16_NORMWISE_RTOL
 from tests.test_layers import ROUTER_F32_RTOL
 
-# Tolerances as the files that test these paths: the bf16 expert path norm-wise against its fp32 reference
-# (test_grouped), the router's fp32 logits against float64 (test_layers), windowed vs dense attention (test_attention_fast).
+# Tolerances from the files that test these paths: the bf16 expert path norm-wise against its fp32 reference
+# (test_grouped), the router's fp32 logits against float64 (test_layers), windowed vs dense attention
+# (test_attention_fast).
 
 
 # ---- grouped GEMM / routed experts ---------------------------------------------------------------------
