@@ -205,7 +205,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None, layer: int | None =
     try:
         for stem, title, panels in FIGURES:
             written.append(plot_lines(rows, stem, title, panels, out_dir))
-        written += [plot_overflow(rows, out_dir), plot_load(rows, out_dir, layer)]
+        written.append(plot_overflow(rows, out_dir))  # one at a time: a plot that raises must not lose
+        written.append(plot_load(rows, out_dir, layer))  # the path of the one drawn before it (unlinked below)
         written = [p for p in written if p is not None]
         if not written:
             raise ConfigError(f"{run_dir / 'metrics.jsonl'} has none of the plotted metrics "
