@@ -223,7 +223,7 @@ def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: floa
             rates = kernel_rates(totals, roof)
     med = float(np.median(times))
     tokens = cfg.train.tokens_per_step
-    flops = 3.0 * accounting.fwd_flops_per_token(cfg.model, cfg.train.seq_len) * tokens
+    flops = accounting.train_flops(cfg.model, cfg.train.seq_len, tokens)
     stats = jax.devices()[0].memory_stats() or {}
     return {"shape": cfg.name, "path": path, "step_ms": 1e3 * med, "tokens_per_s": tokens / med,
             "model_tflops": flops / med / 1e12, "mfu": flops / med / peak, "compile_s": compile_s,

@@ -118,7 +118,7 @@ def main() -> None:
 
     first_peak = measure_matmul_peak()
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
-    flops_per_step = 3.0 * fwd * t.tokens_per_step
+    flops_per_step = accounting.train_flops(m, t.seq_len, t.tokens_per_step)
 
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, {jax.device_count()} device(s))")
     print(f"{'issue-11 CPU shape' if args.cpu_shape else 'tiny preset'}: {m.n_layers} layers, d_model {m.d_model}, "

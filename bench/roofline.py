@@ -61,7 +61,7 @@ def cpu(optimizer: str, steps: int, top: int, by_source: bool = False) -> None:
     text = step_fn.lower(state, batches[0]).compile().as_text()
     peak = max(measure_matmul_peak() for _ in range(3))
     bandwidth = max(measure_bandwidth() for _ in range(3))
-    model = 3 * accounting.fwd_flops_per_token(cfg.model, cfg.train.seq_len) * cfg.train.tokens_per_step
+    model = accounting.train_flops(cfg.model, cfg.train.seq_len, cfg.train.tokens_per_step)
     est = roofline.estimate(text, peak, bandwidth, by_source=by_source)
     times = []
     for b in batches[1:]:

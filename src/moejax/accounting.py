@@ -63,6 +63,12 @@ def fwd_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return flops + 2 * d * m.vocab_size  # LM head
 
 
+def train_flops(m: ModelConfig, seq_len: int, tokens: float) -> float:
+    """Model FLOPs of training on `tokens` tokens at `seq_len`: forward plus a backward of twice its FLOPs (SPEC §1),
+    the count every MFU and the ladder's compute use (remat's recomputed forward is not model work)."""
+    return 3.0 * fwd_flops_per_token(m, seq_len) * tokens
+
+
 def summary(cfg: RunConfig, exact_params: int | None = None) -> dict:
     """The accounting of a run. `exact_params` (the model pytree's size, `model.transformer.param_count`)
     is passed in: this module is analytic and imports no model code."""
@@ -78,7 +84,7 @@ def summary(cfg: RunConfig, exact_params: int | None = None) -> dict:
         "steps": t.steps,
         "tokens": t.total_tokens,
         "fwd_flops_per_token": fwd,
-        "train_flops": 3.0 * fwd * t.total_tokens,
+        "train_flops": train_flops(m, t.seq_len, t.total_tokens),
         "train_flops_6nd": 6.0 * active_params(m) * t.total_tokens,
     }
     return out

@@ -228,7 +228,7 @@ def plan(cfg: RunConfig, cluster: Cluster, mfu: float = DEFAULT_MFU) -> dict:
             - act["lm_head_logits_bytes"] + T * min(STREAM_BLOCK, m.vocab_size) * 4)
     phases = phase_numbers(cfg, cluster, hbm - act["activations_bytes"], T)
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
-    step_flops = 3.0 * fwd * t.tokens_per_step
+    step_flops = accounting.train_flops(m, t.seq_len, t.tokens_per_step)
     step_time = step_flops / (p.n_devices * cluster.peak_flops * mfu)
     return {"preset": cfg.name, "cluster": cluster.name, "device": cluster.device,
             "mesh": dict(zip(MESH_AXES, p.mesh_shape)), "devices": p.n_devices,

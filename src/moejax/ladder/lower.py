@@ -115,16 +115,15 @@ def lower_train_step(cfg, remat: bool | None = None, platform: str = "cuda", mes
     if compile:
         from moejax.cuda_aot import compiled_numbers
 
-        from moejax.accounting import fwd_flops_per_token
+        from moejax.accounting import train_flops
 
         rows, seq = batch["tokens"].shape
         compiled = {"compiled": compiled_numbers(lowered.compile(), device_kind, top, by_source),
                     "compile_s": time.perf_counter() - t2,
                     "state_fp32_bytes": _per_device_bytes((state.params, state.opt_state)),
-                    # the model FLOPs of one step per device (3 x forward; a context-parallel row is a chunk)
-                    "model_flops_per_device": 3 * fwd_flops_per_token(cfg.model, seq * (1 if phase is None else
-                                                                                        phase.context))
-                    * rows * seq / mesh.size}
+                    # the model FLOPs of one step per device (a context-parallel row is a chunk of a sequence)
+                    "model_flops_per_device": train_flops(cfg.model, seq * (1 if phase is None else phase.context),
+                                                          rows * seq) / mesh.size}
     text = lowered.as_text()
     target = "local devices" if concrete else f"{platform} ({device_kind})" if on_gpu else platform
     return {"ok": True, "preset": cfg.name, "platform": target, "mesh": dict(mesh.shape), "devices": mesh.size,

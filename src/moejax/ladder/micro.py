@@ -106,7 +106,7 @@ def result_row(cfg: RunConfig, run_dir: Path, status: str, wall: float) -> dict:
         "name": cfg.name, "width": m.d_model, "layers": m.n_layers,
         "active_params": accounting.active_params(m), "total_params": accounting.total_params(m),
         "steps": t.steps, "tokens": t.total_tokens,
-        "flops": 3.0 * accounting.fwd_flops_per_token(m, t.seq_len) * t.total_tokens,
+        "flops": accounting.train_flops(m, t.seq_len, t.total_tokens),
         "final_loss": _finite(last.get("train/loss")), "eval_loss": _finite(last.get("eval/loss")),
         "drop_fraction": _finite(last.get("moe/drop_fraction")),
         "max_grad_norm": max(grads) if grads and all(map(math.isfinite, grads)) else math.nan,

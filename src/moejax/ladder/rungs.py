@@ -33,7 +33,7 @@ LADDER_WIDTHS = tuple(sorted(d for d in LADDER_SHAPES if d != HERO.model.d_model
 
 
 def hero_train_flops() -> float:
-    return 3.0 * accounting.fwd_flops_per_token(HERO.model, HERO.train.seq_len) * HERO.train.total_tokens
+    return accounting.train_flops(HERO.model, HERO.train.seq_len, HERO.train.total_tokens)
 
 
 def config_numbers(cfg: RunConfig, hero_flops: float | None = None) -> dict:
@@ -41,7 +41,7 @@ def config_numbers(cfg: RunConfig, hero_flops: float | None = None) -> dict:
     m, t = cfg.model, cfg.train
     hp = optimizer_heuristic(total_tokens=t.total_tokens, width=m.d_model, batch_tokens=t.tokens_per_step)
     fwd = accounting.fwd_flops_per_token(m, t.seq_len)
-    flops = 3.0 * fwd * t.total_tokens
+    flops = accounting.train_flops(m, t.seq_len, t.total_tokens)
     hero = hero_train_flops() if hero_flops is None else hero_flops
     return {
         "name": cfg.name, "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads,

@@ -335,7 +335,7 @@ def _finished_summary(name: str, run_dir: Path, steps: int) -> dict:
 
 def _throughput(cfg: RunConfig, seq_len: int, seconds: float, peak: float) -> dict:
     tokens = cfg.train.tokens_per_step
-    flops = 3.0 * accounting.fwd_flops_per_token(cfg.model, seq_len) * tokens
+    flops = accounting.train_flops(cfg.model, seq_len, tokens)
     return {"throughput/step_time": seconds, "throughput/tokens_per_second": tokens / seconds,
             "throughput/mfu": flops / seconds / peak, "data/seq_len": seq_len}
 
