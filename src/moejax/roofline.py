@@ -347,8 +347,8 @@ def _phase(op_name: str) -> str:
 
 
 def _short_op_name(op_name: str) -> str:
-    """The last three meaningful parts of a jax op_name path (`.../moe/attention/dot_general` ->
-    `moe/attention/dot_general`)."""
+    """The last three meaningful parts of a jax op_name path (`.../blocks/attention/dot_general` ->
+    `blocks/attention/dot_general`)."""
     parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "jvp(", "transpose(", "vmap("))
              and p not in ("while", "body", "closed_call", "checkpoint", "rematted_computation", "cond")]
     return "/".join(parts[-3:])
