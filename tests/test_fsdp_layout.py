@@ -13,6 +13,7 @@ import re
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
@@ -23,7 +24,7 @@ from moejax.presets import TINY
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
-from tests.helpers import toy_batch, toy_model
+from tests.helpers import loop_steps, toy_batch, toy_model
 
 BATCH, SEQ = 24, 40  # 960 tokens, 120 per device: sizes no other dimension of the toy model has
 
@@ -40,8 +41,12 @@ def _global_token_arrays(cfg, mesh, weights) -> int:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     text = jax.jit(step, in_shardings=(state_sh, batch["tokens"].sharding),
                    out_shardings=(state_sh, NamedSharding(mesh, REPLICATED))).lower(state, batch).compile().as_text()
-    widths = f"{cfg.model.d_model}|{cfg.model.latent_width}"
-    return len(re.findall(rf"(?:f32|bf16)\[(?:{BATCH},{SEQ}|{BATCH * SEQ})(?:,\d+)*,(?:{widths})\]", text))
+    return _count_global_token_arrays(text, cfg.model)
+
+
+def _count_global_token_arrays(compiled_text: str, model) -> int:
+    widths = f"{model.d_model}|{model.latent_width}"
+    return len(re.findall(rf"(?:f32|bf16)\[(?:{BATCH},{SEQ}|{BATCH * SEQ})(?:,\d+)*,(?:{widths})\]", compiled_text))
 
 
 @pytest.mark.parametrize("axes", [dict(expert=8), dict(data=8)], ids=["ep_expert8", "local_data8"])
@@ -55,6 +60,17 @@ def test_every_layer_computes_on_the_devices_own_tokens(axes):
     assert _global_token_arrays(cfg, mesh, weights) == 0
     if axes == dict(expert=8):  # without the gather, GSPMD moves the tokens (the check sees it)
         assert _global_token_arrays(cfg, mesh, None) > 0
+
+
+def test_the_loops_eval_step_computes_on_the_devices_own_tokens():
+    """The loop's eval step keeps the tokens on their devices too. (Without `layer_weights` GSPMD still gathers
+    the weights for a forward alone, here with 62 all-gathers instead of 44; only the train step's backward
+    turned the clash around, so this holds either way and guards the eval step's layout, not the gather.)"""
+    model = toy_model(n_layers=2, window=12)
+    _, state, batch, _, eval_fns = loop_steps(model, ParallelConfig(expert=8), BATCH, SEQ)
+    bpt = jnp.ones((model.vocab_size,), jnp.int32)
+    text = eval_fns["eval/"].lower(state.compute, batch, bpt).compile().as_text()
+    assert _count_global_token_arrays(text, model) == 0
 
 
 def test_no_gather_without_fsdp():
