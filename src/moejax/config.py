@@ -81,6 +81,10 @@ class ModelConfig:
         _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "head_dim", "n_kv_heads",
                   "n_kv_heads_global", "window", "global_every", "gated_norm_rank", "conv_taps",
                   "n_experts", "top_k", "expert_width", "latent_width", "shared_width", "qb_bins")
+        # a zero or negative eps, RoPE base, scale or init std gives NaN or a dead model at step 0, after the
+        # run dir is written
+        _positive(self, "rope_theta", "qk_mult", "combine_scale", "norm_eps", "qk_norm_eps", "init_scale")
+        _require(self.z_loss_weight >= 0, f"z_loss_weight ({self.z_loss_weight}) must be >= 0")
         _require(self.n_shared >= 0, f"n_shared ({self.n_shared}) must be >= 0")
         _require(self.n_heads % self.n_kv_heads == 0,
                  f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads})")
@@ -180,6 +184,9 @@ class TrainConfig:
         _require(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction ({self.warmup_fraction}) must be in [0, 1)")
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")
+        for n in ("b1", "b2"):  # Adam's decay rates: b2 = 1 divides by zero in the bias correction
+            _require(0.0 <= getattr(self, n) < 1.0, f"{n} ({getattr(self, n)}) must be in [0, 1)")
+        _positive(self, "eps")
         _require(self.eval_every >= 0, f"eval_every ({self.eval_every}) must be >= 0")
         _require(self.eval_batches >= 0, f"eval_batches ({self.eval_batches}) must be >= 0")
         _require(self.eval_batch_size >= 0, f"eval_batch_size ({self.eval_batch_size}) must be >= 0")
@@ -433,6 +440,7 @@ class AlarmConfig:
     grad_spike: float = 10.0  # grad norm at or above this many times the median of the last `window` steps
 
     def __post_init__(self):
+        _finite_floats(self)  # an infinite threshold would switch its alarm off quietly (alarms.enabled does that)
         _positive(self, "every", "patience", "collapse_ratio", "drop_max", "drop_rise", "bias_range_max",
                   "bias_growth", "grad_spike")
         _require(self.window >= 3, f"alarms.window ({self.window}) must be >= 3 (a trend needs three points)")
