@@ -15,12 +15,12 @@ import optax
 import pytest
 
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
-from moejax.model.transformer import Transformer, chunked_lse, embed, forward, model_loss
+from moejax.model.transformer import Transformer, chunked_lse, embed, forward, lm_loss, model_loss
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import differentiated_copy, init_state
 from moejax.train.step import make_eval_step, make_train_step
 from tests.helpers import all_eqns, loop_steps, toy_batch, toy_model
-from tests.test_layers import CHUNKED_HEAD_RTOL
+from tests.test_layers import CHUNKED_HEAD_ATOL, CHUNKED_HEAD_RTOL, _loss_inputs, _reference_loss
 from tests.test_recipe_block_mutants import SPEC_Z_LOSS
 from tests.test_recipe_metrics_mutants import FP32_RTOL
 
@@ -221,3 +221,21 @@ def test_chunked_logsumexp_shifts_by_the_max_over_every_chunk():
     lse_ref = top + np.log(np.exp(logits - top[:, None]).sum(-1))
     np.testing.assert_allclose(lse, lse_ref, rtol=CHUNKED_HEAD_RTOL)
     np.testing.assert_allclose(target, logits[np.arange(t_n), t], rtol=CHUNKED_HEAD_RTOL)
+
+
+# Logits near 0 (head scale 0.1): each of the 50 columns adds ~1/50 of the softmax sum, so one padding column
+# counted (logit 0, from the zero-padded last block) would move the loss by ~2%, far above the tolerance. At
+# the large scales of test_layers' streamed tests such a column is lost below fp32 rounding.
+SMALL_LOGIT_SCALE = 0.1
+
+
+def test_streamed_lm_head_leaves_out_the_padding_columns_of_its_last_block():
+    """V = 50 in blocks of 16: the last block holds 2 real columns and 14 zero padding columns, all masked."""
+    h, head, t, mask = _loss_inputs(SMALL_LOGIT_SCALE)
+    grad = lambda f: jax.value_and_grad(f, argnums=(0, 1))(h, head)
+    v, g = grad(lambda h, w: lm_loss(h, w, t, mask, 1e-4, vocab_block=16)["loss"])
+    v_ref, g_ref = grad(lambda h, w: _reference_loss(h, w, t, mask))
+    np.testing.assert_allclose(v, v_ref, rtol=CHUNKED_HEAD_RTOL)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(a, b, rtol=CHUNKED_HEAD_RTOL, atol=CHUNKED_HEAD_ATOL)
+
