@@ -73,5 +73,7 @@ def test_the_loops_eval_step_computes_on_the_devices_own_tokens():
     assert _count_global_token_arrays(text, model) == 0
 
 
-def test_no_gather_without_fsdp():
+def test_gather_from_two_fsdp_shards_up_and_none_without_fsdp():
     assert layer_weights(make_mesh(ParallelConfig(data=1))) is None
+    for axes in (dict(data=2), dict(expert=2)):  # the smallest FSDP meshes gather too
+        assert layer_weights(make_mesh(ParallelConfig(**axes))) is not None, axes
