@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from moejax import cli, entry, fsio, hostmem, perf
-from moejax.checkpoint import CheckpointManager, list_checkpoints
+from moejax.checkpoint import CheckpointManager
 from moejax.cli import _resolve, build_parser, main
 from moejax.compile_cache import enable_compile_cache
 from moejax.config import ConfigError, ParallelConfig, RunConfig, apply_overrides
@@ -36,6 +36,7 @@ from moejax.train.run_dir import clear_run_dir, truncate_metrics
 from moejax.train.schedule import warmup_linear_decay, warmup_steps_for
 from moejax.train.state import compute_copy, init_state, place_state
 from tests.helpers import loop_steps, toy_model
+from tests.test_checkpoint import steps_on_disk
 from tests.tiny_run import TRAIN_ARGS
 
 # The base run: 2 steps (checkpoints after steps 1 and 2), an eval-only row of step 0 and an eval at the end.
@@ -45,11 +46,8 @@ BASE_ARGS = [*TRAIN_ARGS, *EVAL_ARGS]  # TRAIN_ARGS: --steps 2, checkpoint_every
 
 
 def _rows(run: Path) -> list[dict]:
+    """Every line of metrics.jsonl, strictly (`metrics.read_metrics` would drop a torn last line)."""
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _complete(run: Path) -> list[int]:
-    return [c.step for c in list_checkpoints(run) if c.complete]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +75,7 @@ def test_base_run_rows_and_the_learning_rate_of_each_step(base):
     assert rows[1]["train/learning_rate"] == 0.0 == float(lr(0))
     assert rows[2]["train/learning_rate"] == pytest.approx(float(lr(1))) and float(lr(1)) > 0
     assert rows[2]["train/learning_rate/adam"] == rows[2]["train/learning_rate"]
-    assert _complete(base) == [1, 2]
+    assert steps_on_disk(base) == [1, 2]
 
 
 def test_a_rerun_of_a_finished_run_changes_nothing_and_a_missing_summary_needs_the_last_row(base, tmp_path, capsys):
@@ -92,7 +90,7 @@ def test_a_rerun_of_a_finished_run_changes_nothing_and_a_missing_summary_needs_t
     assert final.stat().st_ino == inode
     assert (run / "summary.json").read_bytes() == summary
     assert (run / "metrics.jsonl").read_bytes() == metrics
-    assert _complete(run) == [1, 2]
+    assert steps_on_disk(run) == [1, 2]
 
     (run / "summary.json").unlink()
     lines = metrics.decode().splitlines(keepends=True)
@@ -134,7 +132,7 @@ def test_extending_falls_back_past_a_non_finite_checkpoint_drops_stale_rows_and_
     assert [r["step"] for r in rows] == [0, 0, 1, 2], "each step once, one eval-only row, no stale row"
     assert 123.0 not in [r.get("train/loss") for r in rows]
     assert "eval/loss" in rows[-1]
-    assert _complete(run) == [1, 2, 3]
+    assert steps_on_disk(run) == [1, 2, 3]
     for step in (2, 3):
         m = json.loads((run / "checkpoints" / f"step_{step:08d}" / "metadata.json").read_text())
         assert m["step"] == m["data_step"] == step and m["finite"] is True
