@@ -163,7 +163,7 @@ def register(sub) -> None:
     pl.add_argument("--compile", action="store_true",
                     help="lower and compile the train step for the cluster's GPUs with XLA's GPU compiler, here, "
                          "without a GPU (Triton and ptxas included): XLA's memory plan per device, the kernels, "
-                         "register spills (needs the CUDA plugin `make` installs in .venv/cuda-aot)")
+                         "register spills (needs the CUDA plugin `make cuda-aot` installs in .venv/cuda-aot)")
     pl.add_argument("--phase", type=int, metavar="SEQ_LEN",
                     help="with --lower/--compile: the context phase (its seq_len; default: the longest)")
     pl.add_argument("--timeout", type=float, default=1800, help="seconds for --lower/--compile (default 1800)")
