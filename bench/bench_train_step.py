@@ -96,7 +96,7 @@ def time_interleaved(cfg, knob: str, batches: list[dict], warmup: int) -> tuple[
 
 
 def main() -> None:
-    hostmem.exec_with_huge_pages()  # host buffers as the `moejax` command has them (moejax.hostmem); may re-execute
+    hostmem.exec_with_host_memory()  # host buffers as the `moejax` command has them (moejax.hostmem); may re-execute
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="timed steps per setting")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
@@ -126,7 +126,7 @@ def main() -> None:
           f"batch {t.batch_size} x seq {t.seq_len} = {t.tokens_per_step:,} tokens/step, {m.compute_dtype}, "
           f"optimizer {t.optimizer}")
     print(f"forward FLOPs/token {fwd:.4g}; training FLOPs/step (3 x fwd x tokens) {flops_per_step:.4g}")
-    print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r} (moejax.hostmem)")
+    print(f"host memory: GLIBC_TUNABLES={hostmem.tunables()!r}, allocator {hostmem.allocator()} (moejax.hostmem)")
     print(f"step compiler options: {step_compiler_options(jax.default_backend())} (moejax.xla_flags)")
     print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps; "
           f"remat {t.remat}, scan_layers {t.scan_layers} unless compared")

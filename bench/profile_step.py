@@ -53,7 +53,7 @@ def op_times(trace_dir: str) -> collections.Counter:
 
 
 def main() -> None:
-    hostmem.exec_with_huge_pages()  # as the `moejax` command runs (moejax.hostmem); may re-execute
+    hostmem.exec_with_host_memory()  # as the `moejax` command runs (moejax.hostmem); may re-execute
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-shape", action="store_true", help="issue 11's CPU shape instead of the tiny preset")
     ap.add_argument("--optimizer", choices=("hero", "adam"), default=TINY.train.optimizer)
@@ -84,7 +84,7 @@ def main() -> None:
         by_line[key] += ms
         kinds[key][re.sub(r"\.\d+$", "", name)] += ms
     print(f"{sum(by_line.values()):.1f} ms of XLA ops per step, {args.steps} traced steps, "
-          f"optimizer {args.optimizer}, GLIBC_TUNABLES={hostmem.tunables()!r}")
+          f"optimizer {args.optimizer}, GLIBC_TUNABLES={hostmem.tunables()!r}, allocator {hostmem.allocator()}")
     for key, ms in by_line.most_common(args.top):
         top = ", ".join(f"{k} {v:.1f}" for k, v in kinds[key].most_common(3))
         print(f"{ms:8.2f} ms  {key}   [{top}]")

@@ -53,7 +53,7 @@ def cpu(optimizer: str, steps: int, top: int, by_source: bool = False) -> None:
     from moejax.data.pipeline import make_data
     from moejax.perf import measure_bandwidth, measure_matmul_peak
 
-    hostmem.exec_with_huge_pages()
+    hostmem.exec_with_host_memory()
     cfg = bench_config(True, optimizer)
     with make_data(cfg) as data:
         batches = [jax.device_put(data.train.batch(i)) for i in range(steps + 2)]

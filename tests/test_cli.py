@@ -118,6 +118,8 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     # YNNPACK for reductions only on CPU
     assert info["step_compiler_options"] == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
     assert info["xla_flags"] == ENV["XLA_FLAGS"]
+    if "malloc" not in ENV.get("LD_PRELOAD", ""):  # `python -m moejax.cli` skips the re-execution onto tcmalloc
+        assert info["host_allocator"] == "glibc"
     # What the hero optimizer really ran with: the SPEC §4 heuristic's beta2 for this batch, not train.b2
     hp = optimizer_heuristic(total_tokens=6 * 4 * 128, width=128, batch_tokens=4 * 128)
     assert info["optimizer"] == {"name": "hero", "source": "SPEC §4 heuristic", "muonh_lr": hp.muonh_lr,

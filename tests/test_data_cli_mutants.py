@@ -266,7 +266,7 @@ def test_the_console_script_returns_the_clis_exit_code(monkeypatch, capsys):
     come back as 2 through it, not 0."""
     from moejax import entry
 
-    monkeypatch.setattr(entry, "exec_with_huge_pages", lambda: None)  # no re-execution inside pytest
+    monkeypatch.setattr(entry, "exec_with_host_memory", lambda: None)  # no re-execution inside pytest
     monkeypatch.setattr("sys.argv", ["moejax", "count", "nope"])
     assert entry.main() == 2
     assert "unknown preset 'nope'" in capsys.readouterr().err

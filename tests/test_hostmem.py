@@ -1,4 +1,5 @@
-"""The `moejax` command's host memory: glibc's malloc asked for transparent huge pages by re-executing once."""
+"""The `moejax` command's host memory: glibc's malloc asked for transparent huge pages, and tcmalloc preloaded where
+the system has it, by re-executing once."""
 
 import os
 import subprocess
@@ -10,8 +11,8 @@ from moejax import hostmem
 # calls that each produce a fresh 128 MiB output (32,768 pages of 4 KiB each).
 CHILD = """
 import os, resource, sys
-from moejax.hostmem import exec_with_huge_pages
-exec_with_huge_pages()
+from moejax.hostmem import exec_with_host_memory
+exec_with_host_memory()
 import jax, jax.numpy as jnp
 x = jnp.ones((4096, 256)); w = jnp.ones((256, 8192))
 f = jax.jit(lambda a, b: a @ b)
@@ -25,31 +26,77 @@ print(os.environ.get("GLIBC_TUNABLES", ""), faults, os.getpid(), sep="|")
 PAGES_4K = 4096 * 8192 * 4 // 4096
 
 
+HOST_VARS = (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED, hostmem.PRELOAD_VAR, hostmem.TCMALLOC_OPT_OUT,
+             *hostmem.TCMALLOC_QUIET)
+TCMALLOC = "libtcmalloc_minimal.so.4"
+QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
+
+
 def _unset_env() -> dict[str, str]:
-    """This environment without any huge-page setting: a child decides for itself."""
-    return {k: v for k, v in os.environ.items() if k not in (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED)}
+    """This environment without any host-memory setting: a child decides for itself."""
+    return {k: v for k, v in os.environ.items() if k not in HOST_VARS}
 
 
 def test_env_adds_the_tunable_where_glibc_and_the_kernel_can_and_respects_the_user(monkeypatch):
     monkeypatch.setattr(hostmem.sys, "platform", "linux")
     monkeypatch.setattr(hostmem, "_glibc_version", lambda: (2, 36))
     monkeypatch.setattr(hostmem, "_thp_mode", lambda: "madvise")
-    env = hostmem.huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "HOME": "/h"})
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: None)  # the tunable alone
+    env = hostmem.host_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "HOME": "/h"})
     assert env == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.hugetlb=1", "HOME": "/h",
                    hostmem.EXECUTED: "1"}
-    assert hostmem.huge_page_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    assert hostmem.huge_page_env(env) is None  # the re-executed process: once only
-    assert hostmem.huge_page_env({hostmem.EXECUTED: "1"}) is None  # even where glibc dropped the tunable
-    assert hostmem.huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # the user's choice
-    assert hostmem.huge_page_env({hostmem.OPT_OUT: "0"}) is None
+    assert hostmem.host_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert hostmem.host_env(env) is None  # the re-executed process: once only
+    assert hostmem.host_env({hostmem.EXECUTED: "1"}) is None  # even where glibc dropped the tunable
+    assert hostmem.host_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # the user's choice
+    assert hostmem.host_env({hostmem.OPT_OUT: "0"}) is None
     monkeypatch.setattr(hostmem, "_thp_mode", lambda: "always")
-    assert hostmem.huge_page_env({}) is not None
+    assert hostmem.host_env({}) is not None
     for thp, glibc, platform in [("never", (2, 36), "linux"), ("", (2, 36), "linux"), ("madvise", (2, 34), "linux"),
                                  ("madvise", None, "linux"), ("madvise", (2, 36), "darwin")]:
         monkeypatch.setattr(hostmem, "_thp_mode", lambda: thp)
         monkeypatch.setattr(hostmem, "_glibc_version", lambda: glibc)
         monkeypatch.setattr(hostmem.sys, "platform", platform)
-        assert hostmem.huge_page_env({}) is None, (thp, glibc, platform)
+        assert hostmem.host_env({}) is None, (thp, glibc, platform)
+
+
+def test_env_preloads_tcmalloc_where_the_system_has_it_and_respects_the_user(monkeypatch):
+    monkeypatch.setattr(hostmem.sys, "platform", "linux")
+    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "never")  # tcmalloc alone
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: TCMALLOC)
+    assert hostmem.host_env({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": TCMALLOC, **QUIET, hostmem.EXECUTED: "1"}
+    # another preloaded library stays, first; the user's own report threshold is kept
+    env = hostmem.host_env({"LD_PRELOAD": "/x/libfoo.so", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "7"})
+    assert env["LD_PRELOAD"] == f"/x/libfoo.so {TCMALLOC}" and env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "7"
+    for user in ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, {"LD_PRELOAD": "libtcmalloc.so.4"},
+                 {hostmem.TCMALLOC_OPT_OUT: "0"}, {hostmem.EXECUTED: "1"}):
+        assert hostmem.host_env(user) is None, user  # the user's allocator, the opt-out, the re-executed process
+    monkeypatch.setattr(hostmem.sys, "platform", "darwin")
+    assert hostmem.host_env({}) is None
+    monkeypatch.setattr(hostmem.sys, "platform", "linux")
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: None)  # not installed: nothing to preload
+    assert hostmem.host_env({}) is None
+    # both: one re-execution with both settings
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: TCMALLOC)
+    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "madvise")
+    monkeypatch.setattr(hostmem, "_glibc_version", lambda: (2, 36))
+    assert hostmem.host_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "LD_PRELOAD": TCMALLOC, **QUIET,
+                                    hostmem.EXECUTED: "1"}
+
+
+def test_the_allocator_is_read_from_the_process_maps(monkeypatch, tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("55d0-55d1 r--p 00000000 08:01 1 /usr/bin/python3.11\n"
+                    "7f00-7f01 rw-p 00000000 00:00 0 \n"
+                    "7f10-7f11 r-xp 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10\n"
+                    "7f12-7f13 r--p 00001000 08:01 2 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10\n"
+                    "7f20-7f21 r-xp 00000000 08:01 3 /opt/my libs/libc.so.6\n")
+    monkeypatch.setattr(hostmem, "MAPS", maps)
+    assert hostmem.allocator() == "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10"
+    maps.write_text("55d0-55d1 r--p 00000000 08:01 1 /usr/bin/python3.11\n[heap]\n")
+    assert hostmem.allocator() == "glibc"
+    monkeypatch.setattr(hostmem, "MAPS", tmp_path / "missing")
+    assert hostmem.allocator() == "glibc"
 
 
 def test_this_machines_glibc_and_kernel_are_read():
@@ -61,6 +108,7 @@ def test_this_machines_glibc_and_kernel_are_read():
 def test_the_process_re_executes_once_and_its_large_buffers_fault_in_huge_pages():
     env = _unset_env()
     env["XLA_FLAGS"] = ""  # one device is enough
+    env[hostmem.TCMALLOC_OPT_OUT] = "0"  # glibc's malloc: tcmalloc would reuse the buffers and fault nothing
 
     def child(**extra):
         p = subprocess.Popen([sys.executable, "-c", CHILD], env={**env, **extra}, stdout=subprocess.PIPE,
@@ -74,7 +122,7 @@ def test_the_process_re_executes_once_and_its_large_buffers_fault_in_huge_pages(
     plain_tunables, plain_faults = child(**{hostmem.OPT_OUT: "0"})
     assert plain_tunables == ""
     tunables, faults = child()
-    if hostmem.huge_page_env(env) is None:  # this machine can't: the child ran as it was started
+    if hostmem.host_env(env) is None:  # this machine can't: the child ran as it was started
         assert tunables == ""
         return
     assert tunables == "glibc.malloc.hugetlb=1"
@@ -97,10 +145,38 @@ def test_the_command_and_python_m_moejax_run_the_cli_after_re_executing():
 
 def test_a_closed_stdout_or_a_program_from_stdin_is_left_alone():
     env = _unset_env()
-    program = "from moejax.hostmem import exec_with_huge_pages; exec_with_huge_pages(); print('ran')"
+    program = "from moejax.hostmem import exec_with_host_memory; exec_with_host_memory(); print('ran')"
     p = subprocess.run([sys.executable, "-"], input=program, capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0 and p.stdout == "ran\n", p.stderr  # run once, not re-executed with stdin spent
     # Python's sys.stdout is None where fd 1 was closed at start (`moejax ... >&-`): nothing to flush there.
     closed = "import sys; sys.stdout = None; " + program.replace("print('ran')", "sys.exit(3)")
     p = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 3, p.stderr
+
+
+# A child that re-executes itself, makes one 1.2 GiB allocation (untouched: no memory used), and prints the
+# allocator it runs on.
+ALLOC_CHILD = """
+import numpy as np
+from moejax.hostmem import allocator, exec_with_host_memory
+exec_with_host_memory()
+big = np.empty(1200 << 20, np.uint8)
+print(allocator())
+"""
+
+
+def test_the_process_re_executes_onto_tcmalloc_where_the_system_has_it_and_stays_quiet():
+    env = {**_unset_env(), hostmem.OPT_OUT: "0"}  # tcmalloc alone
+
+    def child(**extra):
+        p = subprocess.run([sys.executable, "-c", ALLOC_CHILD], env={**env, **extra}, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stderr == ""  # no large-allocation report from tcmalloc: user errors stay one line
+        return p.stdout.strip()
+
+    assert child(**{hostmem.TCMALLOC_OPT_OUT: "0"}) == "glibc"
+    if hostmem._find_tcmalloc() is None:  # not installed here: the child ran on glibc's malloc
+        assert child() == "glibc"
+    else:
+        assert "libtcmalloc" in child()

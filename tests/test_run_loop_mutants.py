@@ -264,12 +264,13 @@ def test_gpu_peak_is_per_device_times_devices(monkeypatch):
     p = perf.job_peak(1e15)
     assert (p["peak_flops"], p["peak_units"], p["peak_unit"], p["platform"]) == (8e15, 8, "device", "gpu")
     seen = {}
-    monkeypatch.setattr(perf, "measure_matmul_peak", lambda n, dtype: seen.update(n=n, dtype=dtype) or 1e14)
+    monkeypatch.setattr(perf, "measure_matmul_peak",
+                        lambda n, dtype, repeats: seen.update(n=n, dtype=dtype, repeats=repeats) or 1e14)
     p = perf.job_peak()
-    assert p["peak_flops"] == 8e14 and seen == {"n": 8192, "dtype": jax.numpy.bfloat16}
+    assert p["peak_flops"] == 8e14 and seen == {"n": 8192, "dtype": jax.numpy.bfloat16, "repeats": 20}
     monkeypatch.setattr(perf.jax, "default_backend", lambda: "cpu")
     p = perf.job_peak()
-    assert p["peak_flops"] == 2e14 and seen == {"n": 1024, "dtype": jax.numpy.float32}
+    assert p["peak_flops"] == 2e14 and seen == {"n": 1024, "dtype": jax.numpy.float32, "repeats": 20}
 
 
 def test_matmul_peak_counts_two_flops_per_multiply_add_and_takes_the_fastest(monkeypatch):
@@ -297,21 +298,22 @@ def test_glibc_2_35_is_the_first_with_the_tunable(monkeypatch):
     monkeypatch.setattr(hostmem.sys, "platform", "linux")
     monkeypatch.setattr(hostmem, "_thp_mode", lambda: "madvise")
     monkeypatch.setattr(hostmem, "_glibc_version", lambda: (2, 35))
-    assert hostmem.huge_page_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: None)
+    assert hostmem.host_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
 
 
 @pytest.mark.parametrize("argv0", ["", "-"])
 def test_a_program_typed_in_or_read_from_stdin_is_not_re_executed(argv0, monkeypatch):
-    monkeypatch.setattr(hostmem, "huge_page_env", lambda environ: {**environ, hostmem.EXECUTED: "1"})
+    monkeypatch.setattr(hostmem, "host_env", lambda environ: {**environ, hostmem.EXECUTED: "1"})
     monkeypatch.setattr(hostmem.sys, "orig_argv", [hostmem.sys.executable, argv0], raising=False)
     monkeypatch.setattr(hostmem.sys, "argv", [argv0])
     monkeypatch.setattr(hostmem.os, "execve", lambda *a: pytest.fail(f"re-executed {a[1]}"))
-    hostmem.exec_with_huge_pages()  # returns: nothing to run again
+    hostmem.exec_with_host_memory()  # returns: nothing to run again
 
 
 def test_the_console_script_sets_up_host_memory_before_the_cli(monkeypatch):
     calls = []
-    monkeypatch.setattr(entry, "exec_with_huge_pages", lambda: calls.append("hostmem"))
+    monkeypatch.setattr(entry, "exec_with_host_memory", lambda: calls.append("hostmem"))
     monkeypatch.setattr(cli, "main", lambda: calls.append("cli") or 0)
     assert entry.main() == 0 and calls == ["hostmem", "cli"]
 

@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-from moejax.hostmem import exec_with_huge_pages
+from moejax.hostmem import exec_with_host_memory
 
 
 def main() -> int:
-    exec_with_huge_pages()
+    exec_with_host_memory()
     from moejax.cli import main as cli_main
 
     return cli_main()

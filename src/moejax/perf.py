@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 
 
+PEAK_REPEATS = 20  # `job_peak`'s readings
+
+
 def measure_matmul_peak(n: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
     """FLOP/s of the fastest of `repeats` n x n x n matmuls on device 0 (compiled once, result blocked on)."""
     ka, kb = jax.random.split(jax.random.key(0))
@@ -48,7 +51,9 @@ def job_peak(per_device: float = 0.0) -> dict:
     units = jax.process_count() if on_cpu else jax.device_count()
     if per_device <= 0:
         # 8192^3 bf16 saturates an H100/H200 (JAX reaches ~650-700 TFLOP/s there); 1024^3 fp32 a CPU.
-        per_device = measure_matmul_peak(1024 if on_cpu else 8192, dtype)
+        # The fastest of 20 (~0.2 s on CPU): a start-up reading taken while other work ran read low and lifted
+        # the run's MFU (188 against the bench's 216 GFLOP/s once, docs/LOG.md 2026-12-05).
+        per_device = measure_matmul_peak(1024 if on_cpu else 8192, dtype, repeats=PEAK_REPEATS)
         source = f"measured: {jnp.dtype(dtype).name} matmul on {jax.devices()[0].device_kind}"
     else:
         source = "--peak-flops"
