@@ -1,5 +1,5 @@
-"""Host memory for XLA's CPU buffers: glibc's malloc asked for transparent huge pages, or tcmalloc where the
-system has it.
+"""Host memory for XLA's CPU buffers: glibc's malloc asked for transparent huge pages, and tcmalloc preloaded
+where the system has it.
 
 XLA's CPU runtime mallocs an executable's temporaries afresh at every call, and glibc serves anything over
 32 MiB with a new mmap, so every step of a training run faults its whole working set in again, 4 KiB at a
@@ -8,8 +8,8 @@ glibc >= 2.35 can `madvise` its memory for transparent huge pages (the `glibc.ma
 takes that to ~1,500 faults and the step to 2.3 s, with the same values. The kernel still zeroes every new
 huge page: ~10 s of system time in a 24-step bench run. tcmalloc (gperftools; Debian's libtcmalloc-minimal4)
 keeps freed memory for the next call instead of unmapping it: 3.4 s of system time in the same run, the
-issue-11 CPU step 1.06x and the tiny demo's step 1.12x faster, compiles ~1.2x faster, the same values and
-peak RSS (docs/LOG.md 2026-12-05, thirty-first session). No wheel ships it, so it is used only where the
+issue-11 CPU step 1.06x and the tiny demo's step 1.12x faster, compiles ~1.2x faster, the same values, no
+higher peak RSS (docs/LOG.md 2026-12-05, thirty-first session). No wheel ships it, so it is used only where the
 system has it.
 
 A tunable is read and LD_PRELOAD applied when the process starts, so the `moejax` command re-executes itself
