@@ -8,7 +8,7 @@ glibc >= 2.35 can `madvise` its memory for transparent huge pages (the `glibc.ma
 takes that to ~1,500 faults and the step to 2.3 s, with the same values. The kernel still zeroes every new
 huge page: ~10 s of system time in a 24-step bench run. tcmalloc (gperftools; Debian's libtcmalloc-minimal4)
 keeps freed memory for the next call instead of unmapping it: 3.4 s of system time in the same run, the
-issue-11 CPU step 1.06x and the tiny demo's step 1.12x faster, compiles ~1.2x faster, the same values, no
+issue-11 CPU step 1.06x and the tiny demo's step 1.13x faster, compiles ~1.2x faster, the same values, no
 higher peak RSS (docs/LOG.md 2026-12-05, thirty-first session). No wheel ships it, so it is used only where the
 system has it.
 
