@@ -68,7 +68,7 @@ def tunables(environ=os.environ) -> str:
 def _huge_page_vars(environ: dict[str, str]) -> dict[str, str]:
     """GLIBC_TUNABLES with the tunable added, or {} where it would change nothing."""
     current = tunables(environ)
-    if environ.get(OPT_OUT) == "0" or TUNABLE in current or not sys.platform.startswith("linux"):
+    if environ.get(OPT_OUT) == "0" or TUNABLE in current:
         return {}
     version = _glibc_version()
     if version is None or version < MIN_GLIBC or _thp_mode() not in ("madvise", "always"):
@@ -84,7 +84,7 @@ def _find_tcmalloc() -> str | None:
 def _allocator_vars(environ: dict[str, str]) -> dict[str, str]:
     """LD_PRELOAD with tcmalloc added (and its large-allocation reports off), or {} where that changes nothing."""
     current = environ.get(PRELOAD_VAR, "")
-    if environ.get(TCMALLOC_OPT_OUT) == "0" or "malloc" in current or not sys.platform.startswith("linux"):
+    if environ.get(TCMALLOC_OPT_OUT) == "0" or "malloc" in current:
         return {}  # "malloc" in LD_PRELOAD: the user's own allocator (tcmalloc, jemalloc, mimalloc) stays
     lib = _find_tcmalloc()
     if lib is None:
@@ -95,7 +95,8 @@ def _allocator_vars(environ: dict[str, str]) -> dict[str, str]:
 
 def host_env(environ: dict[str, str]) -> dict[str, str] | None:
     """`environ` with the huge-page tunable and tcmalloc added, or None where neither would change anything."""
-    if EXECUTED in environ:  # the re-executed process: once only, even where glibc dropped the tunable
+    # the re-executed process: once only, even where glibc dropped the tunable; both settings are Linux's
+    if EXECUTED in environ or not sys.platform.startswith("linux"):
         return None
     changes = {**_huge_page_vars(environ), **_allocator_vars(environ)}
     return {**environ, **changes, EXECUTED: "1"} if changes else None
