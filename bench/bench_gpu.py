@@ -38,8 +38,6 @@ import argparse
 import collections
 import dataclasses
 import functools
-import gzip
-import json
 import re
 import sys
 import tempfile
@@ -57,6 +55,7 @@ from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak, measure_bandwidth
 from moejax.presets import HERO_MODEL, ladder_rung, ladder_shape
 from moejax.train.optimizer import make_optimizer
+from moejax.train.profile import Totals, event_totals
 from moejax.train.state import init_state
 from moejax.train.step import make_train_step
 
@@ -110,7 +109,6 @@ def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
             "positions": pos[:, :-1], "loss_mask": seg[:, 1:] == seg[:, :-1]}
 
 
-Totals = tuple[collections.Counter, collections.Counter]  # a trace's (total ms, count) by event name
 TRACED_STEPS = 2  # steps in the profile; its kernel totals are divided by this for figures a step
 # The local path with one kernel choice set: the XLA einsums, or the kernels' row gathers inside them.
 LOCAL_VARIANTS = {"local-xla": (GROUPED[0], "xla"), "local-rows": (GROUPED_ROWS[0], "gpu_kernel")}
@@ -136,25 +134,6 @@ def _kernel_frames(hlo: str) -> tuple[dict[str, list[str]], dict[str, list[str]]
     """Source frames by instruction name and by kernel name, read once per compiled step."""
     frames, _ = roofline.source_frames(hlo)
     return frames, {re.sub(r"[.\-]", "_", name): f for name, f in frames.items()}
-
-
-def event_totals(trace_dir: Path) -> Totals:
-    """(total ms, count) by event name on the device lanes of the perfetto trace (host lanes if the backend
-    records none)."""
-    total, count = collections.Counter(), collections.Counter()
-    files = sorted(trace_dir.rglob("*.trace.json.gz"))
-    if not files:
-        return total, count
-    trace = json.loads(gzip.open(files[-1]).read())
-    events = trace.get("traceEvents", [])
-    lanes = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M"
-             and e.get("name") == "process_name"}
-    device = {pid for pid, name in lanes.items() if "/device:" in name and "CPU" not in name.upper()}
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and (not device or e["pid"] in device):
-            total[e["name"]] += e["dur"] / 1e3
-            count[e["name"]] += 1
-    return total, count
 
 
 def top_kernels(totals: Totals, n: int = 8) -> list[tuple[str, float, int]]:

@@ -7,7 +7,9 @@
 # dot at E = 64 / 384, against 0.55 / 0.47 for the default path), then PARTS="fast" (up to 330 s), then,
 # with device time left, PARTS="d1024" (the rung in the run's default layout, unrolled without remat: 86 GB,
 # roofline 255 ms against 305 ms scanned with remat, never timed) or PARTS="step" (d1024 scanned with remat,
-# both paths; its capacity path runs since the twenty-third session).
+# both paths; its capacity path runs since the twenty-third session). On an H100 (80 GB; `device`'s default kind
+# since 2026-12-05) run the same parts: each times its own baselines (the dense dot, the default path) in the same
+# call, so its ratios stand on their own; its absolute figures don't compare with the H200's.
 #   check    check_gpu_kernels.py: the compiled kernels' values and gradients against fp32 references (the
 #            grouped kernels also with the rows read and written in place: MOEJAX_GROUPED_ROWS);
 #   grouped  bench_grouped.py: the grouped GEMM alone at E = 64 and 384 (>= 60% of dense target): the default
@@ -18,7 +20,8 @@
 #   fast     bench_gpu.py on G laid out as its roofline says is fastest: layers unrolled, no remat (49 GB):
 #            the local path, the local path with the rows in the kernels (the A/B that decides
 #            MOEJAX_GROUPED_ROWS's default), then the capacity path;
-#   d1024    bench_gpu.py: the d1024 rung's local path in the run's default layout (unrolled, no remat);
+#   d1024    bench_gpu.py: the d1024 rung's local path in the run's default layout (unrolled, no remat; with remat
+#            on a GPU under 100 GB, e.g. an 80 GB H100, where 86 GB doesn't fit);
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile (d1024's capacity
 #            path runs since the twenty-third session: two-digit expert ids in the transport header);
 #   ab       bench_gpu.py --paths local,local-rows on G in the default layout (scanned, remat).
@@ -65,8 +68,13 @@ part flash 120 python bench/bench_flash.py "${flash_args[@]}"
 # layout (never timed there: it started after the local case and ran out of the part's limit before)
 part fast 330 python bench/bench_gpu.py --shapes G --paths local,local-rows,capacity --unrolled --no-remat \
   --steps 4 --budget-s 200 "${step_args[@]}"
-part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled --no-remat --steps 4 --budget-s 120 \
-  "${step_args[@]}"
+# d1024 without remat needs ~86 GB (XLA's compiled peak): on a smaller GPU (an 80 GB H100) the part keeps block
+# remat (~55 GB), so it times a step instead of running out of memory after its compile
+d1024_remat=(--no-remat)
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+if [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] 2>/dev/null; then d1024_remat=(); fi
+part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled "${d1024_remat[@]}" --steps 4 \
+  --budget-s 120 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --no-profile --steps 4 --budget-s 120 \
   "${step_args[@]}"

@@ -26,14 +26,14 @@ def _row(step, **kw):
 
 
 def _fake_run(run_dir, steps=4):
-    """What a run leaves: config, run_info, metrics, summary, a checkpoint, wandb files, temp files."""
+    """What a run leaves: config, run_info, metrics, summary, a checkpoint, wandb files, a profile, temp files."""
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(CFG.to_json())
     (run_dir / "run_info.json").write_text(json.dumps({"accounting": {}}))
     (run_dir / "metrics.jsonl").write_text("".join(_row(s) for s in range(steps)))
     (run_dir / "summary.json").write_text("{}")
     (run_dir / f".metrics.jsonl.tmp-{os.getpid()}").write_text("partial")
-    for d in ("checkpoints/step_00000002/state", "wandb/offline-run"):
+    for d in ("checkpoints/step_00000002/state", "wandb/offline-run", "profile/process_0/plugins/profile/t"):
         (run_dir / d).mkdir(parents=True)
     (run_dir / "checkpoints/step_00000002/COMMITTED").write_text("2\n")
 

@@ -212,8 +212,10 @@ def _cmd_train(args) -> int:
     from moejax.metrics import check_wandb
     from moejax.model.kernel_choice import check_choices
     from moejax.train.loop import RunOptions, train
+    from moejax.train.profile import parse_window
 
     cfg = _resolve(args)
+    profile = parse_window(args.profile, cfg.train.steps) if args.profile else None
     check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
     cfg = _default_mesh(cfg, args)
@@ -222,7 +224,7 @@ def _cmd_train(args) -> int:
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",
                       peak_flops=args.peak_flops, progress=not args.no_progress,
-                      init_from=args.init_from or "")
+                      init_from=args.init_from or "", profile=profile)
     summary = train(cfg, Path(args.run_dir), opts)
     if threading.current_thread() is threading.main_thread():  # finished: a late SIGTERM is not a preemption
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -291,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--remat", action="store_true",
                    help="rematerialise each block in the backward pass (same as --set train.remat=true)")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--profile", metavar="START:STOP",
+                   help="trace steps START .. STOP-1 with jax's profiler into RUN_DIR/profile/ (TensorBoard, Perfetto)")
     t.add_argument("--coordinator", metavar="HOST:PORT", help="jax.distributed coordinator (process 0's address)")
     t.add_argument("--num-processes", type=int, help="number of processes (hosts) in the job")
     t.add_argument("--process-id", type=int, help="this process's index in [0, num-processes)")

@@ -44,6 +44,7 @@ from moejax.perf import job_peak
 from moejax.train.alarms import LOAD_KEY
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
+from moejax.train.profile import ProfileWindow, StepProfiler, trace_dir
 from moejax.train.run_dir import (RunError, RunLock, prepare_run_dir, read_summary, run_info, truncate_metrics,
                                   write_json)
 from moejax.train.state import TrainState, init_state, place_state
@@ -66,6 +67,7 @@ class RunOptions:
     peak_flops: float = 0.0  # per device; 0: measure the matmul peak at start (bf16 on GPU/TPU, fp32 on CPU)
     progress: bool = True
     init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
+    profile: ProfileWindow | None = None  # steps jax's profiler traces (--profile START:STOP, `moejax.train.profile`)
 
 
 def _primary() -> bool:
@@ -96,8 +98,9 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             peak_info = job_peak(opts.peak_flops)
             peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
             if _primary():
+                profile = {"profile_steps": [opts.profile.start, opts.profile.stop]} if opts.profile else {}
                 write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe(),
-                                                       "step_compiler_options": _compiler_options(mesh)})
+                                                       "step_compiler_options": _compiler_options(mesh), **profile})
             return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
         except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
             raise RunError(str(e)) from None
@@ -249,6 +252,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
     saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
+    profiler = StepProfiler(opts.profile, trace_dir(run_dir, jax.process_index()), start,
+                            say=(lambda line: print(line, file=sys.stderr)) if _primary() else (lambda line: None))
 
     def save(at: int, kind: str) -> None:
         writer.sync()  # the rows a checkpoint covers are on disk before it
@@ -262,8 +267,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
             phase = data.schedule.phase_at(step)
-            s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
-            metrics = jax.device_get(metrics)
+            with profiler.step(step):
+                s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
+                metrics = jax.device_get(metrics)
             load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
             metrics = {k: to_py(v) for k, v in metrics.items()}
             if faults.kill_at("step", step):
@@ -297,6 +303,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         if faults.sigterm_at_end():  # fault injection: a signal while the final checkpoint commits
             faults.sigterm_now()
     finally:
+        profiler.close()
         bar.close()
         writer.close()
         failure = sys.exc_info()[1]
