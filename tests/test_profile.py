@@ -41,7 +41,11 @@ def test_window_traces_its_steps_only(tmp_path):
     assert t.calls == [("step", 0, False), ("step", 1, False), ("start", str(tmp_path / "trace")),
                        ("step", 2, True), ("step", 3, True), "stop", ("step", 4, False), ("step", 5, False)]
     assert (tmp_path / "trace").is_dir()
-    assert len(t.lines) == 1 and "profile of steps 2 .. 3 in" in t.lines[0]
+    assert len(t.lines) == 1 and f"profile of steps 2 .. 3 in {tmp_path / 'trace'} (" in t.lines[0]
+    lines = []  # a multi-process run's process 0 names every process's directory
+    run_steps(StepProfiler(ProfileWindow(0, 1), tmp_path / "p0", 0, say=lines.append, start=lambda d: None,
+                           stop=lambda: None, where="run/profile/process_*"), [], range(1))
+    assert "profile of steps 0 .. 0 in run/profile/process_* (" in lines[0]
 
 
 def test_a_restart_inside_the_window_traces_from_its_first_step(tmp_path):

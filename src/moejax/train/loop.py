@@ -253,7 +253,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                dynamic_ncols=True)
     saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
     profiler = StepProfiler(opts.profile, trace_dir(run_dir, jax.process_index()), start,
-                            say=(lambda line: print(line, file=sys.stderr)) if _primary() else (lambda line: None))
+                            say=(lambda line: print(line, file=sys.stderr)) if _primary() else (lambda line: None),
+                            where=str(trace_dir(run_dir, "*")) if jax.process_count() > 1 else "")
 
     def save(at: int, kind: str) -> None:
         writer.sync()  # the rows a checkpoint covers are on disk before it

@@ -65,7 +65,7 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def trace_dir(run_dir: Path, process_index: int) -> Path:
+def trace_dir(run_dir: Path, process_index: int | str) -> Path:
     return Path(run_dir) / PROFILE_DIR / f"process_{process_index}"
 
 
@@ -111,8 +111,11 @@ class StepProfiler:
     def __init__(self, window: ProfileWindow | None, out_dir: Path, first_step: int,
                  say: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
                  start: Callable[[str], None] = jax.profiler.start_trace,
-                 stop: Callable[[], None] = jax.profiler.stop_trace):
+                 stop: Callable[[], None] = jax.profiler.stop_trace, where: str = ""):
+        """`where`: how the closing line names the traces (default: out_dir; a multi-process run's process 0
+        names every process's directory)."""
         self.window, self.out_dir, self._say = window, Path(out_dir), say
+        self._where = where or str(self.out_dir)
         self._start, self._stop = start, stop
         self.tracing = False
         if window is not None and first_step >= window.stop:
@@ -158,7 +161,7 @@ class StepProfiler:
             return
         steps = (f"steps {self._first} .. {self._last}" if self._last is not None
                  else f"step {self._first}, which did not finish")
-        self._say(f"moejax: profile of {steps} in {self.out_dir} "
+        self._say(f"moejax: profile of {steps} in {self._where} "
                   "(TensorBoard's profile plugin, or its *.trace.json.gz in ui.perfetto.dev)")
         if self._last is None:
             return
