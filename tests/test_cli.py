@@ -1,5 +1,6 @@
 """The CLI as a user runs it: count, a short training run, and one-line errors with exit code 2."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -49,6 +50,7 @@ def test_count_json_hero(capsys):
     (["train", "--run-dir", "RUN", "--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"],
      "--num-processes (0) must be >= 1"),
     (["train", "--run-dir", "RUN", "--profile", "5:3"], "--profile '5:3': expected START:STOP"),
+    (["train", "--run-dir", "RUN", "--profile", ""], "--profile '': expected START:STOP"),
     (["train", "--run-dir", "RUN", "--steps", "4", "--profile", "4:6"], "starts at step 4, but the run has 4 steps"),
 ])
 def test_user_errors_are_one_line_exit_2(argv, words, tmp_path, capsys):
@@ -105,14 +107,18 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     run = tmp_path / "run"  # passed relative to the working directory, as `make demo` does
     args = ["train", "--preset", "tiny", "--run-dir", "run", "--steps", "6", "--no-progress",
             "--set", "model.n_layers=2", "--set", "train.batch_size=4", "--set", "train.eval_batches=1",
-            "--set", "train.checkpoint_every=3", "--peak-flops", "1e11", "--profile", "2:4"]
+            "--set", "train.checkpoint_every=3", "--peak-flops", "1e11", "--profile", "4:9"]
     r = run_cli(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    # --profile: jax's trace of steps 2 and 3, per process, in TensorBoard's layout and Perfetto's
+    # --profile 4:9 of 6 steps: jax's trace per process, in TensorBoard's layout and Perfetto's, written when
+    # the loop ends (its `close`), holding steps 4 and 5 and the end's evaluation
     traces = list((run / "profile" / "process_0" / "plugins" / "profile").glob("*/*"))
     assert all(any(p.name.endswith(f".{kind}") for p in traces) for kind in ("xplane.pb", "trace.json.gz"))
-    assert all(p.stat().st_size > 0 for p in traces)
-    assert "moejax: profile of steps 2 .. 3 in" in r.stderr
+    events = json.loads(gzip.decompress(next(p for p in traces if p.name.endswith(".json.gz")).read_bytes()))
+    events = [e for e in events["traceEvents"] if e.get("ph") == "X"]
+    assert [e["args"]["step_num"] for e in events if e["name"] == "train"] == ["4", "5"]
+    assert any(e["name"] == "PjitFunction(eval_step)" for e in events)
+    assert "moejax: profile of steps 4 .. 5 in" in r.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(6))
     for row in rows:
@@ -122,7 +128,7 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     assert cfg["model"]["n_layers"] == 2
     info = json.loads((run / "run_info.json").read_text())  # which peak MFU is measured against
     assert info["peak_source"] == "--peak-flops" and info["peak_units"] == 1 and info["peak_flops"] == 1e11
-    assert info["profile_steps"] == [2, 4]
+    assert info["profile_steps"] == [4, 9]
     # YNNPACK for reductions only on CPU
     assert info["step_compiler_options"] == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
     assert info["xla_flags"] == ENV["XLA_FLAGS"]

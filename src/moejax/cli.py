@@ -215,7 +215,7 @@ def _cmd_train(args) -> int:
     from moejax.train.profile import parse_window
 
     cfg = _resolve(args)
-    profile = parse_window(args.profile, cfg.train.steps) if args.profile else None
+    profile = parse_window(args.profile, cfg.train.steps) if args.profile is not None else None
     check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
     cfg = _default_mesh(cfg, args)

@@ -221,6 +221,21 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 
+def _profiler(window, run_dir: Path, start: int, steps: int) -> StepProfiler:
+    """`--profile`'s profiler for this process: process 0 says what was traced (naming every process's
+    directory) and, on GPUs, lists the longest kernels; every process reports its own failures."""
+    many = jax.process_count() > 1
+    me = f" (process {jax.process_index()})" if many else ""
+
+    def say(line: str) -> None:  # above the progress bar, as the alarms are
+        print_alarm(line.removeprefix("moejax: "))
+
+    return StepProfiler(window, trace_dir(run_dir, jax.process_index()), start, steps,
+                        say=say if _primary() else (lambda line: None), warn=lambda line: say(line + me),
+                        summarize=_primary() and jax.default_backend() == "gpu",
+                        where=str(trace_dir(run_dir, "*")) if many else "")
+
+
 def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
     params = s.state.compute  # device-resident, with the fp32 router bias the next train step routes with
     out = {}
@@ -252,9 +267,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
     saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
-    profiler = StepProfiler(opts.profile, trace_dir(run_dir, jax.process_index()), start,
-                            say=(lambda line: print(line, file=sys.stderr)) if _primary() else (lambda line: None),
-                            where=str(trace_dir(run_dir, "*")) if jax.process_count() > 1 else "")
+    profiler = _profiler(opts.profile, run_dir, start, t.steps)
 
     def save(at: int, kind: str) -> None:
         writer.sync()  # the rows a checkpoint covers are on disk before it
@@ -266,11 +279,11 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         guard.defer()  # from the first step on, for good: a signal finishes the step and saves, and after the loop
         # (final checkpoint, summary) it lets the run finish
         for step in range(start, t.steps):
+            profiler.begin(step)  # the trace covers the step's body, its logging and evaluation
             t0 = time.perf_counter()
             phase = data.schedule.phase_at(step)
-            with profiler.step(step):
-                s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
-                metrics = jax.device_get(metrics)
+            s.state, metrics = s.step_fn(phase)(s.state, s.to_global(data.train.batch(step)))
+            metrics = jax.device_get(metrics)
             load_LE = np.asarray(metrics.pop(LOAD_KEY))  # [L, E]: to the alarms; to the row only now and then
             metrics = {k: to_py(v) for k, v in metrics.items()}
             if faults.kill_at("step", step):
@@ -292,6 +305,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
                 faults.sigterm_now()
             saved["data_step"] = step + 1
+            profiler.end(step)  # the step is done (a preemption's save below is in a trace still running)
             if not last and guard.stop_requested():  # in the last step: finish as usual (final save, summary)
                 save(step + 1, "temporary")
                 s.ckpt.wait()
