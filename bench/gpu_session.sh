@@ -73,8 +73,8 @@ part fast 330 python bench/bench_gpu.py --shapes G --paths local,local-rows,capa
 d1024_remat=(--no-remat)
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
 if [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] 2>/dev/null; then d1024_remat=(); fi
-part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled ${d1024_remat[@]+"${d1024_remat[@]}"} --steps 4 \
-  --budget-s 120 "${step_args[@]}"
+part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled \
+  ${d1024_remat[@]+"${d1024_remat[@]}"} --steps 4 --budget-s 120 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --no-profile --steps 4 --budget-s 120 \
   "${step_args[@]}"

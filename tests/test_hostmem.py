@@ -1,9 +1,12 @@
-"""The `moejax` command's host memory: glibc's malloc asked for transparent huge pages, and tcmalloc preloaded where
-the system has it, by re-executing once."""
+"""The `moejax` command's host memory: glibc's malloc asked for transparent huge pages, and an allocator that keeps
+freed memory (mimalloc from its pinned wheel, else tcmalloc where the system has it) preloaded, by re-executing
+once."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from moejax import hostmem
 
@@ -26,10 +29,12 @@ print(os.environ.get("GLIBC_TUNABLES", ""), faults, os.getpid(), sep="|")
 PAGES_4K = 4096 * 8192 * 4 // 4096
 
 
-HOST_VARS = (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED, hostmem.PRELOAD_VAR, hostmem.TCMALLOC_OPT_OUT,
-             *hostmem.TCMALLOC_QUIET)
+HOST_VARS = (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED, hostmem.PRELOAD_VAR, hostmem.ALLOCATOR_VAR,
+             *hostmem.TCMALLOC_QUIET, *hostmem.MIMALLOC_SETTINGS)
 TCMALLOC = "libtcmalloc_minimal.so.4"
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
+MIMALLOC = "/venv/site-packages/cmeel.prefix/lib/libmimalloc.so"
+KEEP = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1"}
 
 
 def _unset_env() -> dict[str, str]:
@@ -42,6 +47,7 @@ def test_env_adds_the_tunable_where_glibc_and_the_kernel_can_and_respects_the_us
     monkeypatch.setattr(hostmem, "_glibc_version", lambda: (2, 36))
     monkeypatch.setattr(hostmem, "_thp_mode", lambda: "madvise")
     monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: None)  # the tunable alone
+    monkeypatch.setattr(hostmem, "_find_mimalloc", lambda: None)
     env = hostmem.host_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "HOME": "/h"})
     assert env == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1:glibc.malloc.hugetlb=1", "HOME": "/h",
                    hostmem.EXECUTED: "1"}
@@ -62,14 +68,15 @@ def test_env_adds_the_tunable_where_glibc_and_the_kernel_can_and_respects_the_us
 
 def test_env_preloads_tcmalloc_where_the_system_has_it_and_respects_the_user(monkeypatch):
     monkeypatch.setattr(hostmem.sys, "platform", "linux")
-    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "never")  # tcmalloc alone
+    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "never")  # the allocator alone
+    monkeypatch.setattr(hostmem, "_find_mimalloc", lambda: None)  # tcmalloc's turn
     monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: TCMALLOC)
     assert hostmem.host_env({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": TCMALLOC, **QUIET, hostmem.EXECUTED: "1"}
     # another preloaded library stays, first; the user's own report threshold is kept
     env = hostmem.host_env({"LD_PRELOAD": "/x/libfoo.so", "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "7"})
     assert env["LD_PRELOAD"] == f"/x/libfoo.so {TCMALLOC}" and env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "7"
     for user in ({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}, {"LD_PRELOAD": "libtcmalloc.so.4"},
-                 {hostmem.TCMALLOC_OPT_OUT: "0"}, {hostmem.EXECUTED: "1"}):
+                 {hostmem.ALLOCATOR_VAR: "glibc"}, {hostmem.EXECUTED: "1"}):
         assert hostmem.host_env(user) is None, user  # the user's allocator, the opt-out, the re-executed process
     monkeypatch.setattr(hostmem.sys, "platform", "darwin")
     assert hostmem.host_env({}) is None
@@ -82,6 +89,48 @@ def test_env_preloads_tcmalloc_where_the_system_has_it_and_respects_the_user(mon
     monkeypatch.setattr(hostmem, "_glibc_version", lambda: (2, 36))
     assert hostmem.host_env({}) == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1", "LD_PRELOAD": TCMALLOC, **QUIET,
                                     hostmem.EXECUTED: "1"}
+
+
+def test_env_preloads_mimalloc_first_where_it_loads_cleanly(monkeypatch):
+    monkeypatch.setattr(hostmem.sys, "platform", "linux")
+    monkeypatch.setattr(hostmem, "_thp_mode", lambda: "never")  # the allocator alone
+    monkeypatch.setattr(hostmem, "_find_mimalloc", lambda: MIMALLOC)
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: TCMALLOC)
+    tried = []
+    monkeypatch.setattr(hostmem, "_preloads_cleanly", lambda lib, settings: tried.append((lib, settings)) or True)
+    assert hostmem.host_env({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": MIMALLOC, **KEEP, hostmem.EXECUTED: "1"}
+    assert tried == [(MIMALLOC, KEEP)]  # tried with the settings it will run with
+    env = hostmem.host_env({"MIMALLOC_PURGE_DELAY": "100"})  # the user's own setting is kept, and tried
+    assert env["MIMALLOC_PURGE_DELAY"] == "100" and tried[-1][1]["MIMALLOC_PURGE_DELAY"] == "100"
+    assert hostmem.host_env({"LD_PRELOAD": "/opt/libmimalloc.so.2"}) is None  # the user's own mimalloc
+    assert hostmem.host_env({hostmem.ALLOCATOR_VAR: "tcmalloc"})["LD_PRELOAD"] == TCMALLOC
+    assert hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})["LD_PRELOAD"] == MIMALLOC
+    # a wheel whose library doesn't load cleanly here (no libatomic): tcmalloc, or a clear error when asked for
+    monkeypatch.setattr(hostmem, "_preloads_cleanly", lambda lib, settings: False)
+    assert hostmem.host_env({})["LD_PRELOAD"] == TCMALLOC
+    with pytest.raises(hostmem.HostMemoryError, match="does not preload cleanly here"):
+        hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})
+    monkeypatch.setattr(hostmem, "_find_mimalloc", lambda: None)
+    with pytest.raises(hostmem.HostMemoryError, match="cmeel-mimalloc is not installed"):
+        hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})
+    monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: None)
+    with pytest.raises(hostmem.HostMemoryError, match="the system has no tcmalloc library"):
+        hostmem.host_env({hostmem.ALLOCATOR_VAR: "tcmalloc"})
+    with pytest.raises(hostmem.HostMemoryError, match="MOEJAX_ALLOCATOR='jemalloc' must be one of auto, mimalloc"):
+        hostmem.host_env({hostmem.ALLOCATOR_VAR: "jemalloc"})
+
+
+def test_the_pinned_mimalloc_is_found_and_loads_cleanly():
+    """`make` installs cmeel-mimalloc (requirements.lock) on Linux x86_64 and aarch64: the default allocator."""
+    import platform
+
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        assert hostmem._find_mimalloc() is None
+        return
+    lib = hostmem._find_mimalloc()
+    assert lib is not None and lib.endswith("cmeel.prefix/lib/libmimalloc.so")
+    assert hostmem._preloads_cleanly(lib, hostmem.MIMALLOC_SETTINGS)
+    assert not hostmem._preloads_cleanly("/nonexistent/libnothing.so", {})  # ld.so's "cannot be preloaded" line
 
 
 def test_the_allocator_is_read_from_the_process_maps(monkeypatch, tmp_path):
@@ -108,7 +157,7 @@ def test_this_machines_glibc_and_kernel_are_read():
 def test_the_process_re_executes_once_and_its_large_buffers_fault_in_huge_pages():
     env = _unset_env()
     env["XLA_FLAGS"] = ""  # one device is enough
-    env[hostmem.TCMALLOC_OPT_OUT] = "0"  # glibc's malloc: tcmalloc would reuse the buffers and fault nothing
+    env[hostmem.ALLOCATOR_VAR] = "glibc"  # mimalloc or tcmalloc would reuse the buffers and fault nothing
 
     def child(**extra):
         p = subprocess.Popen([sys.executable, "-c", CHILD], env={**env, **extra}, stdout=subprocess.PIPE,
@@ -165,18 +214,31 @@ print(allocator())
 """
 
 
-def test_the_process_re_executes_onto_tcmalloc_where_the_system_has_it_and_stays_quiet():
-    env = {**_unset_env(), hostmem.OPT_OUT: "0"}  # tcmalloc alone
+def test_the_process_re_executes_onto_the_chosen_allocator_and_stays_quiet():
+    env = {**_unset_env(), hostmem.OPT_OUT: "0"}  # the allocator alone
 
     def child(**extra):
         p = subprocess.run([sys.executable, "-c", ALLOC_CHILD], env={**env, **extra}, capture_output=True, text=True,
                            timeout=120)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stderr == ""  # no large-allocation report from tcmalloc: user errors stay one line
-        return p.stdout.strip()
+        return p.returncode, p.stdout.strip(), p.stderr
 
-    assert child(**{hostmem.TCMALLOC_OPT_OUT: "0"}) == "glibc"
-    if hostmem._find_tcmalloc() is None:  # not installed here: the child ran on glibc's malloc
-        assert child() == "glibc"
+    def quiet(**extra):
+        rc, out, err = child(**extra)
+        assert rc == 0, err[-2000:]
+        assert err == ""  # no large-allocation report, no allocator warning: user errors stay one line
+        return out
+
+    assert quiet(**{hostmem.ALLOCATOR_VAR: "glibc"}) == "glibc"
+    mimalloc = hostmem._find_mimalloc()
+    if mimalloc is not None:  # the pinned wheel (Linux x86_64 / aarch64): the default
+        assert quiet() == mimalloc
+        assert quiet(**{hostmem.ALLOCATOR_VAR: "mimalloc"}) == mimalloc
+    if hostmem._find_tcmalloc() is None:  # not installed here: asked for, it is one line and exit 2
+        rc, out, err = child(**{hostmem.ALLOCATOR_VAR: "tcmalloc"})
+        assert rc == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith("moejax: error: MOEJAX_ALLOCATOR=tcmalloc, but the system has no tcmalloc library")
     else:
-        assert "libtcmalloc" in child()
+        assert "libtcmalloc" in quiet(**{hostmem.ALLOCATOR_VAR: "tcmalloc"})
+    rc, out, err = child(**{hostmem.ALLOCATOR_VAR: "jemalloc"})
+    assert rc == 2
+    assert err == "moejax: error: MOEJAX_ALLOCATOR='jemalloc' must be one of auto, mimalloc, tcmalloc, glibc\n"

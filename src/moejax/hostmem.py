@@ -1,30 +1,35 @@
-"""Host memory for XLA's CPU buffers: glibc's malloc asked for transparent huge pages, and tcmalloc preloaded
-where the system has it.
+"""Host memory for XLA's CPU buffers: a malloc that keeps freed memory (mimalloc, pinned; else tcmalloc where the
+system has it), and glibc's malloc asked for transparent huge pages.
 
 XLA's CPU runtime mallocs an executable's temporaries afresh at every call, and glibc serves anything over
 32 MiB with a new mmap, so every step of a training run faults its whole working set in again, 4 KiB at a
 time: ~358,000 minor faults and ~1.2 s of kernel time per step at issue 11's CPU shape (a 3.2 s step).
 glibc >= 2.35 can `madvise` its memory for transparent huge pages (the `glibc.malloc.hugetlb=1` tunable), which
 takes that to ~1,500 faults and the step to 2.3 s, with the same values. The kernel still zeroes every new
-huge page: ~10 s of system time in a 24-step bench run. tcmalloc (gperftools; Debian's libtcmalloc-minimal4)
-keeps freed memory for the next call instead of unmapping it: 3.4 s of system time in the same run, the
-issue-11 CPU step 1.06x and the tiny demo's step 1.13x faster, compiles ~1.2x faster, the same values, no
-higher peak RSS (docs/LOG.md 2026-12-05, thirty-first session). No wheel ships it, so it is used only where the
-system has it.
+huge page: ~150 ms of system time a ~1 s step. An allocator that keeps freed memory for the next call removes
+that: mimalloc (`cmeel-mimalloc`, a pinned wheel, so every machine `make` sets up has it) with its purging off
+and its memory in huge pages: 0 faults and ~4 ms of system time a step, the issue-11 CPU step ~1.08x faster
+than on glibc; gperftools' tcmalloc (a system package, `libtcmalloc-minimal4`) ~1.04x. The process holds its
+peak memory instead of returning it between steps (docs/LOG.md 2026-12-05, thirty-first and
+thirty-second sessions).
 
 A tunable is read and LD_PRELOAD applied when the process starts, so the `moejax` command re-executes itself
 once with them set (same pid, argv, stdio). The tunable is left out off Linux, on another libc or an older glibc,
 where the kernel's transparent huge pages are `never`, where GLIBC_TUNABLES already names it, or with
-MOEJAX_HUGE_PAGES=0; tcmalloc where no library is found, where LD_PRELOAD already names an allocator, or with
-MOEJAX_TCMALLOC=0. Nothing happens for a program read from stdin or typed in, and in a process this one started
-by re-executing (a marker in its environment: glibc drops tunables for setuid or file-capability binaries, and
-the process must not re-execute forever).
+MOEJAX_HUGE_PAGES=0. The allocator: MOEJAX_ALLOCATOR=auto (the default: mimalloc, else tcmalloc, else glibc's),
+mimalloc, tcmalloc or glibc (none preloaded); an allocator already in LD_PRELOAD is kept; mimalloc is preloaded
+only after a trial process loads it without a word on stderr (its wheel needs the system's libatomic). Nothing
+happens for a program read from stdin or typed in, and in a process this one started by re-executing (a marker
+in its environment: glibc drops tunables for setuid or file-capability binaries, and the process must not
+re-execute forever).
 """
 
 from __future__ import annotations
 
 import ctypes.util
+import importlib.metadata
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +38,11 @@ TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "MOEJAX_HUGE_PAGES"
 EXECUTED = "MOEJAX_HOST_MEMORY_EXECUTED"  # set in the re-executed process's environment
 PRELOAD_VAR = "LD_PRELOAD"
-TCMALLOC_OPT_OUT = "MOEJAX_TCMALLOC"
+ALLOCATOR_VAR = "MOEJAX_ALLOCATOR"
+ALLOCATORS = ("auto", "mimalloc", "tcmalloc", "glibc")
+MIMALLOC_DIST = "cmeel-mimalloc"  # mimalloc's shared library in a wheel (requirements.lock)
+# Never hand freed memory back to the OS (the next step takes it again at once), and back it with huge pages.
+MIMALLOC_SETTINGS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1"}
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")  # gperftools' libraries, the allocator alone first
 # gperftools can report each allocation over 1 GiB on stderr ("tcmalloc: large alloc ..."; Debian's minimal
 # library printed nothing at 8 GiB). A step's buffers are that large, and user errors must stay one line.
@@ -76,25 +85,68 @@ def _huge_page_vars(environ: dict[str, str]) -> dict[str, str]:
     return {TUNABLES_VAR: ":".join(t for t in (current, f"{TUNABLE}=1") if t)}
 
 
+class HostMemoryError(ValueError):
+    """MOEJAX_ALLOCATOR names no allocator, or one this machine can't preload (one line, exit 2)."""
+
+
 def _find_tcmalloc() -> str | None:
     """The library name the dynamic linker resolves for gperftools' tcmalloc, or None where none is installed."""
     return next((lib for lib in map(ctypes.util.find_library, TCMALLOC_NAMES) if lib), None)
 
 
+def _find_mimalloc() -> str | None:
+    """The path of the `cmeel-mimalloc` wheel's libmimalloc.so, or None where it is not installed."""
+    try:
+        files = importlib.metadata.distribution(MIMALLOC_DIST).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    lib = next((f for f in files if f.name == "libmimalloc.so"), None)
+    path = lib.locate() if lib is not None else None
+    return str(path) if path is not None and Path(path).is_file() else None
+
+
+def _preloads_cleanly(lib: str, settings: dict[str, str]) -> bool:
+    """A trial interpreter (no site, ~10 ms) with `lib` preloaded exits 0 and says nothing: the dynamic linker
+    found the library's own dependencies, and the library prints no warning at start."""
+    env = {**os.environ, PRELOAD_VAR: lib, **settings}
+    try:
+        p = subprocess.run([sys.executable, "-S", "-c", ""], env=env, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return p.returncode == 0 and not p.stdout and not p.stderr
+
+
 def _allocator_vars(environ: dict[str, str]) -> dict[str, str]:
-    """LD_PRELOAD with tcmalloc added (and its large-allocation reports off), or {} where that changes nothing."""
+    """LD_PRELOAD with the chosen allocator added (and its settings), or {} where that changes nothing."""
+    choice = environ.get(ALLOCATOR_VAR, "auto")
+    if choice not in ALLOCATORS:
+        raise HostMemoryError(f"{ALLOCATOR_VAR}={choice!r} must be one of {', '.join(ALLOCATORS)}")
     current = environ.get(PRELOAD_VAR, "")
-    if environ.get(TCMALLOC_OPT_OUT) == "0" or "malloc" in current:
+    if choice == "glibc" or "malloc" in current:
         return {}  # "malloc" in LD_PRELOAD: the user's own allocator (tcmalloc, jemalloc, mimalloc) stays
-    lib = _find_tcmalloc()
-    if lib is None:
-        return {}
-    quiet = {k: v for k, v in TCMALLOC_QUIET.items() if k not in environ}
-    return {PRELOAD_VAR: " ".join(p for p in (current, lib) if p), **quiet}
+    preload = lambda lib, settings: {PRELOAD_VAR: " ".join(p for p in (current, lib) if p),
+                                     **{k: v for k, v in settings.items() if k not in environ}}
+    if choice in ("auto", "mimalloc"):
+        lib = _find_mimalloc()
+        if lib is not None and _preloads_cleanly(lib, {k: environ.get(k, v) for k, v in MIMALLOC_SETTINGS.items()}):
+            return preload(lib, MIMALLOC_SETTINGS)
+        if choice == "mimalloc":
+            raise HostMemoryError(f"{ALLOCATOR_VAR}=mimalloc, but " + (
+                f"{MIMALLOC_DIST} is not installed (pip install -r requirements.lock)" if lib is None else
+                f"{lib} does not preload cleanly here (its wheel needs the system's libatomic.so.1)"))
+    if choice in ("auto", "tcmalloc"):
+        lib = _find_tcmalloc()
+        if lib is not None:
+            return preload(lib, TCMALLOC_QUIET)
+        if choice == "tcmalloc":
+            raise HostMemoryError(f"{ALLOCATOR_VAR}=tcmalloc, but the system has no tcmalloc library "
+                                  "(Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    return {}
 
 
 def host_env(environ: dict[str, str]) -> dict[str, str] | None:
-    """`environ` with the huge-page tunable and tcmalloc added, or None where neither would change anything."""
+    """`environ` with the huge-page tunable and the allocator added, or None where neither would change anything.
+    Raises HostMemoryError for a MOEJAX_ALLOCATOR it can't honour."""
     # the re-executed process: once only, even where glibc dropped the tunable; both settings are Linux's
     if EXECUTED in environ or not sys.platform.startswith("linux"):
         return None
@@ -103,8 +155,8 @@ def host_env(environ: dict[str, str]) -> dict[str, str] | None:
 
 
 def allocator() -> str:
-    """The malloc this process runs on: the preloaded library's path (tcmalloc, or one the user preloaded), else
-    "glibc" (what run_info.json and the bench record)."""
+    """The malloc this process runs on: the preloaded library's path (mimalloc, tcmalloc, or one the user
+    preloaded), else "glibc" (what run_info.json and the bench record)."""
     try:
         maps = MAPS.read_text()
     except OSError:
@@ -119,10 +171,16 @@ def exec_with_host_memory() -> None:
 
     Call it first thing in a script's entry point: what was imported before (jax: ~1 s) is imported again.
     """
-    env = host_env(dict(os.environ))
     argv = getattr(sys, "orig_argv", None)  # the interpreter's own argv (`-m`, `-c`, the script), 3.10+
     # A program from stdin ("-") or typed in ("") can't run again: stdin has been read.
-    if env is None or not argv or not sys.executable or sys.argv[0] in ("", "-"):
+    if not argv or not sys.executable or sys.argv[0] in ("", "-"):
+        return
+    try:
+        env = host_env(dict(os.environ))
+    except HostMemoryError as e:  # before anything else runs: one line, exit 2, as every user error
+        print(f"moejax: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if env is None:
         return
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None when the fd was closed (`moejax ... >&-`)
