@@ -88,20 +88,25 @@ def _read_events(path: Path) -> list[dict]:
         return json.load(f).get("traceEvents", [])
 
 
-def event_totals(trace_dir: Path) -> Totals:
-    """(total ms, count) by event name on the device lanes of the newest Perfetto trace under trace_dir, summed
-    over the devices; on the host lanes where the backend records no device lane (CPU)."""
+def _sum_events(events: list[dict], keep: Callable[[int], bool]) -> Totals:
+    """(total ms, count) by name of the complete events on the lanes `keep` accepts."""
     total, count = collections.Counter(), collections.Counter()
-    path = _newest_trace(trace_dir)
-    if path is None:
-        return total, count
-    events = _read_events(path)
-    device = {pid for pid, name in _lanes(events).items() if "/device:" in name and "CPU" not in name.upper()}
     for e in events:
-        if e.get("ph") == "X" and "dur" in e and (not device or e["pid"] in device):
+        if e.get("ph") == "X" and "dur" in e and keep(e["pid"]):
             total[e["name"]] += e["dur"] / 1e3
             count[e["name"]] += 1
     return total, count
+
+
+def event_totals(trace_dir: Path) -> Totals:
+    """(total ms, count) by event name on the device lanes of the newest Perfetto trace under trace_dir, summed
+    over the devices; on the host lanes where the backend records no device lane (CPU)."""
+    path = _newest_trace(trace_dir)
+    if path is None:
+        return collections.Counter(), collections.Counter()
+    events = _read_events(path)
+    device = {pid for pid, name in _lanes(events).items() if "/device:" in name and "CPU" not in name.upper()}
+    return _sum_events(events, lambda pid: not device or pid in device)
 
 
 def top_ops_lines(trace_dir: Path, steps: int, n: int = TOP_OPS) -> list[str]:
@@ -112,11 +117,7 @@ def top_ops_lines(trace_dir: Path, steps: int, n: int = TOP_OPS) -> list[str]:
         return []
     events = _read_events(path)
     gpus = {pid for pid, name in _lanes(events).items() if "/device:GPU:" in name}
-    total, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and e["pid"] in gpus:
-            total[e["name"]] += e["dur"] / 1e3
-            count[e["name"]] += 1
+    total, count = _sum_events(events, gpus.__contains__)
     if not total:
         return []
     per = len(gpus) * steps  # kernels per device and step
