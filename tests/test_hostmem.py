@@ -34,7 +34,13 @@ HOST_VARS = (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED, hostmem.PR
 TCMALLOC = "libtcmalloc_minimal.so.4"
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
 MIMALLOC = "/venv/site-packages/cmeel.prefix/lib/libmimalloc.so"
-KEEP = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1"}
+KEEP = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "16GiB"}
+
+
+@pytest.fixture(autouse=True)
+def cpu_host(monkeypatch):
+    """These tests describe a CPU host (no NVIDIA driver, no TPU), whatever runs them."""
+    monkeypatch.setattr(hostmem, "ACCELERATOR_MARKERS", ())
 
 
 def _unset_env() -> dict[str, str]:
@@ -97,18 +103,29 @@ def test_env_preloads_mimalloc_first_where_it_loads_cleanly(monkeypatch):
     monkeypatch.setattr(hostmem, "_find_mimalloc", lambda: MIMALLOC)
     monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: TCMALLOC)
     tried = []
-    monkeypatch.setattr(hostmem, "_preloads_cleanly", lambda lib, settings: tried.append((lib, settings)) or True)
+    monkeypatch.setattr(hostmem, "_preload_problem", lambda lib, settings: tried.append((lib, settings)))
     assert hostmem.host_env({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": MIMALLOC, **KEEP, hostmem.EXECUTED: "1"}
     assert tried == [(MIMALLOC, KEEP)]  # tried with the settings it will run with
     env = hostmem.host_env({"MIMALLOC_PURGE_DELAY": "100"})  # the user's own setting is kept, and tried
     assert env["MIMALLOC_PURGE_DELAY"] == "100" and tried[-1][1]["MIMALLOC_PURGE_DELAY"] == "100"
     assert hostmem.host_env({"LD_PRELOAD": "/opt/libmimalloc.so.2"}) is None  # the user's own mimalloc
+    with pytest.raises(hostmem.HostMemoryError, match="LD_PRELOAD already names an allocator: /opt/libjemalloc"):
+        hostmem.host_env({"LD_PRELOAD": "/opt/libjemalloc.so.2", hostmem.ALLOCATOR_VAR: "mimalloc"})
     assert hostmem.host_env({hostmem.ALLOCATOR_VAR: "tcmalloc"})["LD_PRELOAD"] == TCMALLOC
     assert hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})["LD_PRELOAD"] == MIMALLOC
-    # a wheel whose library doesn't load cleanly here (no libatomic): tcmalloc, or a clear error when asked for
-    monkeypatch.setattr(hostmem, "_preloads_cleanly", lambda lib, settings: False)
+    # a GPU or TPU host: auto preloads nothing (never measured there); an explicit choice still holds
+    monkeypatch.setattr(hostmem, "ACCELERATOR_MARKERS", (hostmem.MAPS,))  # a path that exists
+    assert hostmem.host_env({}) is None
+    assert hostmem.host_env({"JAX_PLATFORMS": "cpu"})["LD_PRELOAD"] == MIMALLOC  # a CPU run on a GPU host
+    assert hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})["LD_PRELOAD"] == MIMALLOC
+    monkeypatch.setattr(hostmem, "ACCELERATOR_MARKERS", ())
+    assert hostmem.host_env({"JAX_PLATFORMS": "cuda"}) is None
+    assert hostmem.host_env({"JAX_PLATFORMS": "tpu,cpu"}) is None
+    # a wheel whose library doesn't load cleanly here (no libatomic): tcmalloc, or the reason when asked for
+    problem = "ERROR: ld.so: object 'x' from LD_PRELOAD cannot be preloaded: ignored."
+    monkeypatch.setattr(hostmem, "_preload_problem", lambda lib, settings: problem)
     assert hostmem.host_env({})["LD_PRELOAD"] == TCMALLOC
-    with pytest.raises(hostmem.HostMemoryError, match="does not preload cleanly here"):
+    with pytest.raises(hostmem.HostMemoryError, match=f"{MIMALLOC} does not preload here: ERROR: ld.so"):
         hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})
     monkeypatch.setattr(hostmem, "_find_mimalloc", lambda: None)
     with pytest.raises(hostmem.HostMemoryError, match="cmeel-mimalloc is not installed"):
@@ -118,19 +135,38 @@ def test_env_preloads_mimalloc_first_where_it_loads_cleanly(monkeypatch):
         hostmem.host_env({hostmem.ALLOCATOR_VAR: "tcmalloc"})
     with pytest.raises(hostmem.HostMemoryError, match="MOEJAX_ALLOCATOR='jemalloc' must be one of auto, mimalloc"):
         hostmem.host_env({hostmem.ALLOCATOR_VAR: "jemalloc"})
+    monkeypatch.setattr(hostmem.sys, "platform", "darwin")  # off Linux: checked all the same
+    with pytest.raises(hostmem.HostMemoryError, match="MOEJAX_ALLOCATOR='jemalloc' must be one of"):
+        hostmem.host_env({hostmem.ALLOCATOR_VAR: "jemalloc"})
+    with pytest.raises(hostmem.HostMemoryError, match="preloads an allocator only on Linux"):
+        hostmem.host_env({hostmem.ALLOCATOR_VAR: "mimalloc"})
+    assert hostmem.host_env({hostmem.ALLOCATOR_VAR: "glibc"}) is None
 
 
-def test_the_pinned_mimalloc_is_found_and_loads_cleanly():
-    """`make` installs cmeel-mimalloc (requirements.lock) on Linux x86_64 and aarch64: the default allocator."""
+def _mimalloc_loads_here() -> bool:
+    """The pinned wheel is installed (Linux x86_64 / aarch64) and the system has the libatomic its library needs;
+    elsewhere the command falls back, as it should."""
+    import ctypes.util
+
+    return hostmem._find_mimalloc() is not None and ctypes.util.find_library("atomic") is not None
+
+
+def test_the_pinned_mimalloc_is_found_and_the_trial_tells_a_library_that_loads_from_one_that_does_not(tmp_path):
     import platform
 
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
-        assert hostmem._find_mimalloc() is None
-        return
     lib = hostmem._find_mimalloc()
-    assert lib is not None and lib.endswith("cmeel.prefix/lib/libmimalloc.so")
-    assert hostmem._preloads_cleanly(lib, hostmem.MIMALLOC_SETTINGS)
-    assert not hostmem._preloads_cleanly("/nonexistent/libnothing.so", {})  # ld.so's "cannot be preloaded" line
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        assert lib is None
+    else:  # `make` installs cmeel-mimalloc here (requirements.lock)
+        assert lib is not None and lib.endswith("cmeel.prefix/lib/libmimalloc.so")
+        if _mimalloc_loads_here():
+            assert hostmem._preload_problem(lib, hostmem.MIMALLOC_SETTINGS) is None
+            # its own diagnostics don't fail the trial
+            assert hostmem._preload_problem(lib, {**hostmem.MIMALLOC_SETTINGS, "MIMALLOC_VERBOSE": "1"}) is None
+    missing = str(tmp_path / "libnothing.so")
+    assert "cannot be preloaded" in hostmem._preload_problem(missing, {})  # ld.so's one line
+    spaced = str(tmp_path / "a b" / "libmimalloc.so")
+    assert "has a space or a colon, which LD_PRELOAD can't hold" in hostmem._preload_problem(spaced, {})
 
 
 def test_the_allocator_is_read_from_the_process_maps(monkeypatch, tmp_path):
@@ -215,7 +251,7 @@ print(allocator())
 
 
 def test_the_process_re_executes_onto_the_chosen_allocator_and_stays_quiet():
-    env = {**_unset_env(), hostmem.OPT_OUT: "0"}  # the allocator alone
+    env = {**_unset_env(), hostmem.OPT_OUT: "0", "JAX_PLATFORMS": "cpu"}  # the allocator alone, on a CPU run
 
     def child(**extra):
         p = subprocess.run([sys.executable, "-c", ALLOC_CHILD], env={**env, **extra}, capture_output=True, text=True,
@@ -230,7 +266,7 @@ def test_the_process_re_executes_onto_the_chosen_allocator_and_stays_quiet():
 
     assert quiet(**{hostmem.ALLOCATOR_VAR: "glibc"}) == "glibc"
     mimalloc = hostmem._find_mimalloc()
-    if mimalloc is not None:  # the pinned wheel (Linux x86_64 / aarch64): the default
+    if _mimalloc_loads_here():  # the pinned wheel (Linux x86_64 / aarch64): the default
         assert quiet() == mimalloc
         assert quiet(**{hostmem.ALLOCATOR_VAR: "mimalloc"}) == mimalloc
     if hostmem._find_tcmalloc() is None:  # not installed here: asked for, it is one line and exit 2

@@ -8,28 +8,26 @@ glibc >= 2.35 can `madvise` its memory for transparent huge pages (the `glibc.ma
 takes that to ~1,500 faults and the step to 2.3 s, with the same values. The kernel still zeroes every new
 huge page: ~150 ms of system time a ~1 s step. An allocator that keeps freed memory for the next call removes
 that: mimalloc (`cmeel-mimalloc`, a pinned wheel, so every machine `make` sets up has it) with its purging off
-and its memory in huge pages: 0 faults and ~4 ms of system time a step, the issue-11 CPU step ~1.08x faster
-than on glibc; gperftools' tcmalloc (a system package, `libtcmalloc-minimal4`) ~1.04x. The process holds its
-peak memory instead of returning it between steps (docs/LOG.md 2026-12-05, thirty-first and
-thirty-second sessions).
+(its arenas are on transparent huge pages by default): 0 faults and ~4 ms of system time a step, the issue-11
+CPU step ~1.08x faster than on glibc; gperftools' tcmalloc (a system package, `libtcmalloc-minimal4`) ~1.04x.
+The process holds its peak memory instead of returning it between steps (docs/LOG.md 2026-12-05, thirty-first
+and thirty-second sessions).
 
 A tunable is read and LD_PRELOAD applied when the process starts, so the `moejax` command re-executes itself
 once with them set (same pid, argv, stdio). The tunable is left out off Linux, on another libc or an older glibc,
 where the kernel's transparent huge pages are `never`, where GLIBC_TUNABLES already names it, or with
-MOEJAX_HUGE_PAGES=0. The allocator: MOEJAX_ALLOCATOR=auto (the default: mimalloc, else tcmalloc, else glibc's),
-mimalloc, tcmalloc or glibc (none preloaded); an allocator already in LD_PRELOAD is kept; mimalloc is preloaded
-only after a trial process loads it without a word on stderr (its wheel needs the system's libatomic). Nothing
-happens for a program read from stdin or typed in, and in a process this one started by re-executing (a marker
-in its environment: glibc drops tunables for setuid or file-capability binaries, and the process must not
-re-execute forever).
+MOEJAX_HUGE_PAGES=0. The allocator: MOEJAX_ALLOCATOR=auto (the default: mimalloc where a trial process loads it
+without a word on stderr, as its wheel needs the system's libatomic; else tcmalloc where installed; else glibc's
+own; none on a GPU or TPU host, where it was never measured), mimalloc, tcmalloc or glibc; an allocator already in
+LD_PRELOAD is kept (an explicit other choice beside it is an error). Nothing happens for a program read from stdin
+or typed in, and in a process this one started by re-executing (a marker in its environment: glibc drops
+tunables for setuid or file-capability binaries, and the process must not re-execute forever).
 """
 
 from __future__ import annotations
 
 import ctypes.util
-import importlib.metadata
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,8 +39,13 @@ PRELOAD_VAR = "LD_PRELOAD"
 ALLOCATOR_VAR = "MOEJAX_ALLOCATOR"
 ALLOCATORS = ("auto", "mimalloc", "tcmalloc", "glibc")
 MIMALLOC_DIST = "cmeel-mimalloc"  # mimalloc's shared library in a wheel (requirements.lock)
-# Never hand freed memory back to the OS (the next step takes it again at once), and back it with huge pages.
-MIMALLOC_SETTINGS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_LARGE_OS_PAGES": "1"}
+# Never hand freed memory back to the OS (the next step takes it again at once), also for buffers over mimalloc's
+# default 2 GiB limit, which it would map and unmap at every call. (Its arenas are on transparent huge pages by
+# default; explicit huge pages, MIMALLOC_ALLOW_LARGE_OS_PAGES, would take a reserved hugetlbfs pool's pages.)
+MIMALLOC_SETTINGS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "16GiB"}
+MIMALLOC_TRIAL_QUIET = {"MIMALLOC_VERBOSE": "0", "MIMALLOC_SHOW_STATS": "0", "MIMALLOC_SHOW_ERRORS": "0"}
+# An accelerator host (`_accelerator_host`): the NVIDIA driver's proc directory, a TPU VM's first chip.
+ACCELERATOR_MARKERS = (Path("/proc/driver/nvidia"), Path("/dev/accel0"))
 TCMALLOC_NAMES = ("tcmalloc_minimal", "tcmalloc")  # gperftools' libraries, the allocator alone first
 # gperftools can report each allocation over 1 GiB on stderr ("tcmalloc: large alloc ..."; Debian's minimal
 # library printed nothing at 8 GiB). A step's buffers are that large, and user errors must stay one line.
@@ -95,45 +98,70 @@ def _find_tcmalloc() -> str | None:
 
 
 def _find_mimalloc() -> str | None:
-    """The path of the `cmeel-mimalloc` wheel's libmimalloc.so, or None where it is not installed."""
+    """The path of the `cmeel-mimalloc` wheel's libmimalloc.so (whether or not the file is still there; the trial
+    says), or None where the wheel is not installed."""
+    import importlib.metadata  # here, not at the top: ~24 ms that the re-executed process doesn't need
+
     try:
         files = importlib.metadata.distribution(MIMALLOC_DIST).files or []
     except importlib.metadata.PackageNotFoundError:
         return None
     lib = next((f for f in files if f.name == "libmimalloc.so"), None)
-    path = lib.locate() if lib is not None else None
-    return str(path) if path is not None and Path(path).is_file() else None
+    return str(lib.locate()) if lib is not None else None
 
 
-def _preloads_cleanly(lib: str, settings: dict[str, str]) -> bool:
-    """A trial interpreter (no site, ~10 ms) with `lib` preloaded exits 0 and says nothing: the dynamic linker
-    found the library's own dependencies, and the library prints no warning at start."""
-    env = {**os.environ, PRELOAD_VAR: lib, **settings}
+def _preload_problem(lib: str, settings: dict[str, str]) -> str | None:
+    """None where a trial interpreter (isolated, no site: ~10 ms) with `lib` preloaded exits 0 and says nothing;
+    else what went wrong, in one line: the dynamic linker can't find the library or its own dependencies (the
+    wheel's needs the system's libatomic.so.1), or the library warns at start. mimalloc's own diagnostics are
+    off in the trial (a user debugging mimalloc keeps them in the run)."""
+    import subprocess
+
+    if any(c in lib for c in " :"):  # LD_PRELOAD separates its entries with either
+        return f"its path {lib!r} has a space or a colon, which LD_PRELOAD can't hold"
+    env = {**os.environ, **settings, **MIMALLOC_TRIAL_QUIET, PRELOAD_VAR: lib}
     try:
-        p = subprocess.run([sys.executable, "-S", "-c", ""], env=env, capture_output=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return p.returncode == 0 and not p.stdout and not p.stderr
+        p = subprocess.run([sys.executable, "-I", "-S", "-c", ""], env=env, capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"a trial process failed: {e}"
+    if p.returncode == 0 and not p.stdout and not p.stderr:
+        return None
+    said = (p.stderr or p.stdout).strip().splitlines()
+    return said[0] if said else f"a trial process with it preloaded exited {p.returncode}"
+
+
+def _accelerator_host(environ: dict[str, str]) -> bool:
+    """An NVIDIA driver or a TPU here, unless JAX_PLATFORMS says the run is on CPU; or JAX_PLATFORMS naming
+    another platform. `auto` preloads no allocator there: it was measured on CPU only."""
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms != ["cpu"]
+    return any(p.exists() for p in ACCELERATOR_MARKERS)
 
 
 def _allocator_vars(environ: dict[str, str]) -> dict[str, str]:
     """LD_PRELOAD with the chosen allocator added (and its settings), or {} where that changes nothing."""
-    choice = environ.get(ALLOCATOR_VAR, "auto")
-    if choice not in ALLOCATORS:
-        raise HostMemoryError(f"{ALLOCATOR_VAR}={choice!r} must be one of {', '.join(ALLOCATORS)}")
+    choice = _choice(environ)
     current = environ.get(PRELOAD_VAR, "")
-    if choice == "glibc" or "malloc" in current:
-        return {}  # "malloc" in LD_PRELOAD: the user's own allocator (tcmalloc, jemalloc, mimalloc) stays
+    if "malloc" in current:  # the user's own allocator (tcmalloc, jemalloc, mimalloc) stays
+        if choice not in ("auto", "glibc"):
+            raise HostMemoryError(f"{ALLOCATOR_VAR}={choice}, but LD_PRELOAD already names an allocator: {current}")
+        return {}
+    if choice == "glibc" or (choice == "auto" and _accelerator_host(environ)):
+        return {}
     preload = lambda lib, settings: {PRELOAD_VAR: " ".join(p for p in (current, lib) if p),
                                      **{k: v for k, v in settings.items() if k not in environ}}
     if choice in ("auto", "mimalloc"):
         lib = _find_mimalloc()
-        if lib is not None and _preloads_cleanly(lib, {k: environ.get(k, v) for k, v in MIMALLOC_SETTINGS.items()}):
+        problem = None if lib is None else _preload_problem(
+            lib, {k: environ.get(k, v) for k, v in MIMALLOC_SETTINGS.items()})
+        if lib is not None and problem is None:
             return preload(lib, MIMALLOC_SETTINGS)
         if choice == "mimalloc":
             raise HostMemoryError(f"{ALLOCATOR_VAR}=mimalloc, but " + (
                 f"{MIMALLOC_DIST} is not installed (pip install -r requirements.lock)" if lib is None else
-                f"{lib} does not preload cleanly here (its wheel needs the system's libatomic.so.1)"))
+                f"{lib} does not preload here: {problem}"))
     if choice in ("auto", "tcmalloc"):
         lib = _find_tcmalloc()
         if lib is not None:
@@ -144,11 +172,22 @@ def _allocator_vars(environ: dict[str, str]) -> dict[str, str]:
     return {}
 
 
+def _choice(environ: dict[str, str]) -> str:
+    choice = environ.get(ALLOCATOR_VAR, "auto")
+    if choice not in ALLOCATORS:
+        raise HostMemoryError(f"{ALLOCATOR_VAR}={choice!r} must be one of {', '.join(ALLOCATORS)}")
+    return choice
+
+
 def host_env(environ: dict[str, str]) -> dict[str, str] | None:
     """`environ` with the huge-page tunable and the allocator added, or None where neither would change anything.
     Raises HostMemoryError for a MOEJAX_ALLOCATOR it can't honour."""
-    # the re-executed process: once only, even where glibc dropped the tunable; both settings are Linux's
-    if EXECUTED in environ or not sys.platform.startswith("linux"):
+    if EXECUTED in environ:  # the re-executed process: once only, even where glibc dropped the tunable
+        return None
+    if not sys.platform.startswith("linux"):  # both settings are Linux's
+        if _choice(environ) in ("mimalloc", "tcmalloc"):
+            raise HostMemoryError(f"{ALLOCATOR_VAR}={environ[ALLOCATOR_VAR]}: moejax preloads an allocator only on "
+                                  f"Linux (this is {sys.platform})")
         return None
     changes = {**_huge_page_vars(environ), **_allocator_vars(environ)}
     return {**environ, **changes, EXECUTED: "1"} if changes else None
@@ -178,7 +217,8 @@ def exec_with_host_memory() -> None:
     try:
         env = host_env(dict(os.environ))
     except HostMemoryError as e:  # before anything else runs: one line, exit 2, as every user error
-        print(f"moejax: error: {e}", file=sys.stderr)
+        if sys.stderr is not None:  # None where fd 2 was closed at start
+            print(f"moejax: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if env is None:
         return
