@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from moejax.config import apply_overrides, ConfigError
+from moejax.config import apply_overrides, ConfigError, first_line
 from moejax.parallel.mesh import mesh_overrides, parse_mesh
 from moejax.presets import PRESET_NAMES, preset
 from moejax.xla_flags import FORCED_HOST_DEVICES
@@ -203,9 +203,9 @@ def _init_distributed(args) -> None:
             jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
                                        process_id=args.process_id, initialization_timeout=args.dist_timeout + 60)
     except Exception as e:  # jax raises RuntimeError/XlaRuntimeError with multi-line text
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RunError(f"jax.distributed.initialize failed (coordinator {args.coordinator}, "
-                       f"{args.num_processes} processes, id {args.process_id}, timeout {args.dist_timeout}s): {first}")
+                       f"{args.num_processes} processes, id {args.process_id}, timeout {args.dist_timeout}s): "
+                       f"{first_line(e)}")
 
 
 def _cmd_train(args) -> int:

@@ -20,6 +20,13 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the message names the field and the values."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's text (libraries raise multi-line ones; a user error is one line), or its
+    type's name where it has no text."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)

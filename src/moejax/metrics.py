@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from moejax import faults
-from moejax.config import ConfigError
+from moejax.config import ConfigError, first_line
 
 
 class MetricsWriter:
@@ -75,8 +75,7 @@ def _wandb_init(**kw):
     try:
         return wandb.init(resume="allow", reinit="finish_previous", **kw)
     except Exception as e:  # wandb raises its own error types with multi-line text
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"W&B ({kw['mode']}) failed to start: {first}") from None
+        raise ConfigError(f"W&B ({kw['mode']}) failed to start: {first_line(e)}") from None
 
 
 def _wandb_has_key() -> bool:

@@ -221,7 +221,7 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 
-def _profiler(window, run_dir: Path, start: int, steps: int) -> StepProfiler:
+def _profiler(window: ProfileWindow | None, run_dir: Path, start: int, steps: int) -> StepProfiler:
     """`--profile`'s profiler for this process: process 0 says what was traced (naming every process's
     directory) and, on GPUs, lists the longest kernels; every process reports its own failures."""
     many = jax.process_count() > 1

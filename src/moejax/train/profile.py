@@ -33,7 +33,7 @@ from typing import Callable
 
 import jax
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, first_line
 
 PROFILE_DIR = "profile"  # under the run directory (`run_dir.RUN_DIRS`: --overwrite removes it)
 _WINDOW = re.compile(r"([0-9]{1,9}):([0-9]{1,9})")  # ASCII digits; a bound int() takes without a limit error
@@ -61,11 +61,6 @@ def parse_window(text: str, steps: int) -> ProfileWindow:
         raise ConfigError(f"--profile {text!r} starts at step {window.start}, but the run has {steps} steps "
                           f"(0 .. {steps - 1})")
     return window
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def trace_dir(run_dir: Path, process_index: int | str) -> Path:
@@ -196,7 +191,7 @@ class StepProfiler:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._start(str(self.out_dir))
         except Exception as e:  # noqa: BLE001 -- e.g. a profiler already running here: train on, untraced
-            self._warn(f"moejax: --profile: could not start jax's profiler in {self.out_dir}: {_first_line(e)}; "
+            self._warn(f"moejax: --profile: could not start jax's profiler in {self.out_dir}: {first_line(e)}; "
                        "training on without a trace")
             self.window = None
             return
@@ -207,7 +202,7 @@ class StepProfiler:
         try:
             self._stop()
         except Exception as e:  # noqa: BLE001 -- a failed write must not hide the run's outcome or its exception
-            self._warn(f"moejax: --profile: writing the trace to {self.out_dir} failed: {_first_line(e)}")
+            self._warn(f"moejax: --profile: writing the trace to {self.out_dir} failed: {first_line(e)}")
             return
         steps = (f"steps {self._first} .. {self._last}" if self._last is not None
                  else f"step {self._first}, which did not finish")
@@ -218,6 +213,6 @@ class StepProfiler:
         try:
             lines = top_ops_lines(self.out_dir, self._last - self._first + 1)
         except Exception as e:  # noqa: BLE001 -- an unreadable trace (EOFError, zlib.error, ...): viewers may open it
-            lines = [f"  (its kernel summary could not be read: {_first_line(e)})"]
+            lines = [f"  (its kernel summary could not be read: {first_line(e)})"]
         for line in lines:
             self._say(line)

@@ -35,8 +35,8 @@ from moejax.model.transformer import param_count
 LIBRARIES = ("jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers")
 LOCK = ".lock"
 RUN_FILES = ("config.json", "run_info.json", "metrics.jsonl", "summary.json", "nonfinite.json")
-RUN_DIRS = ("checkpoints", "wandb", "report", "profile")  # report/: `moejax report`'s default output; profile/:
-# `train --profile`'s traces
+# report/: `moejax report`'s default output; profile/: `train --profile`'s traces
+RUN_DIRS = ("checkpoints", "wandb", "report", "profile")
 SUMMARY_KEYS = ("preset", "steps", "first_loss", "last_loss", "tokens_per_second", "mfu", "wall_seconds",
                 "drop_fraction")
 _TEMP = re.compile(r"^\.(.+)\.tmp-\d+$")  # fsio.temp_name of a killed writer
