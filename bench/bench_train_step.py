@@ -7,8 +7,9 @@ them, and MFU divides by the highest reading: on a shared machine one reading sw
 minute (118-175 GFLOP/s on 2 CPU cores, docs/LOG.md 2026-12-02), and a peak caught in a slow moment would
 inflate MFU. The tiny model computes in bf16; on CPU that is usually *slower* than
 fp32, so MFU against the fp32 peak is the honest figure there. Step times are the median of `--steps` timed
-steps after `--warmup` untimed ones (compile excluded), each blocked on; batches are prepared beforehand,
-so data loading is not timed. The knob's two settings (`--compare`: `remat` by default, or `scan_layers`,
+steps after `--warmup` untimed ones (compile excluded), each blocked on; the mean is printed beside it (a
+training run's tokens/s is the mean, and one slow step in twenty, e.g. the host allocator mapping fresh memory,
+moves it and not the median); batches are prepared beforehand, so data loading is not timed. The knob's two settings (`--compare`: `remat` by default, or `scan_layers`,
 the other one staying at the preset's value) alternate step by step, so a busy shared machine slows both alike
 rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
 Like the `moejax` command, it first re-executes itself with glibc's malloc on transparent huge pages
@@ -135,14 +136,16 @@ def main() -> None:
     peak = max(first_peak, *peaks)
     print(f"fp32 matmul peak (1024^3): {peak / 1e9:.1f} GFLOP/s, the highest of {len(peaks) + 1} readings "
           f"(before the steps and after each round; lowest {min(first_peak, *peaks) / 1e9:.1f})\n")
-    print(f"| {args.compare} | compile + 1st step (s) | step time (ms, median) | min / max (ms) | tokens/s | MFU | last loss |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| {args.compare} | compile + 1st step (s) | step time (ms, median) | min / max (ms) | tokens/s | MFU | "
+          f"mean step (ms) | MFU at the mean | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|")
     medians = {}
     for v, (times, first, loss) in results.items():
         med = medians[v] = float(np.median(times))
+        mean = float(np.mean(times))  # what a run's tokens/s sees: a slow step counts in full
         print(f"| {'on' if v else 'off'} | {first:.1f} | {1e3 * med:.1f} | {1e3 * min(times):.1f} / "
               f"{1e3 * max(times):.1f} | {t.tokens_per_step / med:,.0f} | {100 * flops_per_step / med / peak:.2f}% | "
-              f"{loss:.3f} |")
+              f"{1e3 * mean:.1f} | {100 * flops_per_step / mean / peak:.2f}% | {loss:.3f} |")
     print(f"\nstep time {args.compare} on / off: {medians[True] / medians[False]:.3f}")
 
 

@@ -34,7 +34,7 @@ HOST_VARS = (hostmem.TUNABLES_VAR, hostmem.OPT_OUT, hostmem.EXECUTED, hostmem.PR
 TCMALLOC = "libtcmalloc_minimal.so.4"
 QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
 MIMALLOC = "/venv/site-packages/cmeel.prefix/lib/libmimalloc.so"
-KEEP = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "16GiB"}
+KEEP = {"MIMALLOC_PURGE_DELAY": "10000", "MIMALLOC_ALLOW_THP": "0", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "16GiB"}
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,10 @@ time: ~358,000 minor faults and ~1.2 s of kernel time per step at issue 11's CPU
 glibc >= 2.35 can `madvise` its memory for transparent huge pages (the `glibc.malloc.hugetlb=1` tunable), which
 takes that to ~1,500 faults and the step to 2.3 s, with the same values. The kernel still zeroes every new
 huge page: ~150 ms of system time a ~1 s step. An allocator that keeps freed memory for the next call removes
-that: mimalloc (`cmeel-mimalloc`, a pinned wheel, so every machine `make` sets up has it) with its purging off
-(its arenas are on transparent huge pages by default): 0 faults and ~4 ms of system time a step, the issue-11
-CPU step ~1.08x faster than on glibc; gperftools' tcmalloc (a system package, `libtcmalloc-minimal4`) ~1.04x.
-The process holds its peak memory instead of returning it between steps (docs/LOG.md 2026-12-05, thirty-first
-and thirty-second sessions).
+that: mimalloc (`cmeel-mimalloc`, a pinned wheel, so every machine `make` sets up has it), returning memory only
+after 10 s unused and on 4 KiB pages (`MIMALLOC_SETTINGS`): a few ms of system time a step and the issue-11 CPU
+step's mean ~1.06x faster than on glibc, at glibc's resident memory; gperftools' tcmalloc (a system package,
+`libtcmalloc-minimal4`) about the same (docs/LOG.md 2026-12-05, thirty-first to thirty-third sessions).
 
 A tunable is read and LD_PRELOAD applied when the process starts, so the `moejax` command re-executes itself
 once with them set (same pid, argv, stdio). The tunable is left out off Linux, on another libc or an older glibc,
@@ -39,10 +38,15 @@ PRELOAD_VAR = "LD_PRELOAD"
 ALLOCATOR_VAR = "MOEJAX_ALLOCATOR"
 ALLOCATORS = ("auto", "mimalloc", "tcmalloc", "glibc")
 MIMALLOC_DIST = "cmeel-mimalloc"  # mimalloc's shared library in a wheel (requirements.lock)
-# Never hand freed memory back to the OS (the next step takes it again at once), also for buffers over mimalloc's
-# default 2 GiB limit, which it would map and unmap at every call. (Its arenas are on transparent huge pages by
-# default; explicit huge pages, MIMALLOC_ALLOW_LARGE_OS_PAGES, would take a reserved hugetlbfs pool's pages.)
-MIMALLOC_SETTINGS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "16GiB"}
+# Hand memory back to the OS only after 10 s unused: a step's buffers are taken again within a step (~1 s), while
+# the regions mimalloc leaves behind, when a step's ~1 GB temporary buffer lands in fresh memory, go back (never
+# purging, the process grew ~1 GB at a time to ~3x its working set). Arenas on 4 KiB pages, not transparent huge
+# pages: mapping such a fresh region cost ~0.3 s on small pages, 1.3-1.8 s on huge pages with the kernel compacting
+# memory for them (docs/LOG.md 2026-12-05, thirty-third session). Buffers over mimalloc's default 2 GiB limit stay
+# in its arenas too, else it would map and unmap them at every call. (Explicit huge pages,
+# MIMALLOC_ALLOW_LARGE_OS_PAGES, would take a reserved hugetlbfs pool's pages.)
+MIMALLOC_SETTINGS = {"MIMALLOC_PURGE_DELAY": "10000", "MIMALLOC_ALLOW_THP": "0",
+                     "MIMALLOC_ARENA_MAX_OBJECT_SIZE": "16GiB"}
 MIMALLOC_TRIAL_QUIET = {"MIMALLOC_VERBOSE": "0", "MIMALLOC_SHOW_STATS": "0", "MIMALLOC_SHOW_ERRORS": "0"}
 # An accelerator host (`_accelerator_host`): the NVIDIA driver's proc directory, a TPU VM's first chip.
 ACCELERATOR_MARKERS = (Path("/proc/driver/nvidia"), Path("/dev/accel0"))
