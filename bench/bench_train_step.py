@@ -7,11 +7,12 @@ them, and MFU divides by the highest reading: on a shared machine one reading sw
 minute (118-175 GFLOP/s on 2 CPU cores, docs/LOG.md 2026-12-02), and a peak caught in a slow moment would
 inflate MFU. The tiny model computes in bf16; on CPU that is usually *slower* than
 fp32, so MFU against the fp32 peak is the honest figure there. Step times are the median of `--steps` timed
-steps after `--warmup` untimed ones (compile excluded), each blocked on; the mean is printed beside it (a
-training run's tokens/s is the mean, and one slow step in twenty, e.g. the host allocator mapping fresh memory,
-moves it and not the median); batches are prepared beforehand, so data loading is not timed. The knob's two settings (`--compare`: `remat` by default, or `scan_layers`,
-the other one staying at the preset's value) alternate step by step, so a busy shared machine slows both alike
-rather than skewing their ratio. Runs on whatever jax's default backend is (one device, local MoE path).
+steps after `--warmup` untimed ones (compile excluded), each blocked on, with the mean beside it: a training
+run's tokens/s is the mean, and one slow step in twenty (the host allocator mapping fresh memory) moves it and
+not the median. Batches are prepared beforehand, so data loading is not timed. The knob's two settings
+(`--compare`: `remat` by default, or `scan_layers`, the other one staying at the preset's value) alternate step
+by step, so a busy shared machine slows both alike rather than skewing their ratio. Runs on whatever jax's
+default backend is (one device, local MoE path).
 Like the `moejax` command, it first re-executes itself with glibc's malloc on transparent huge pages
 (`moejax.hostmem`; MOEJAX_HUGE_PAGES=0 measures without), and prints the GLIBC_TUNABLES it ran with; the
 steps compile with the training loop's XLA options (`xla_flags.step_compiler_options`: on CPU, YNNPACK
