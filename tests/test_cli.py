@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from moejax import hostmem
 from moejax.cli import main
 from moejax.train.heuristic import optimizer_heuristic
 from tests.helpers import subprocess_xla_flags
@@ -134,6 +135,7 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     assert info["xla_flags"] == ENV["XLA_FLAGS"]
     if "malloc" not in ENV.get("LD_PRELOAD", ""):  # `python -m moejax.cli` skips the re-execution onto tcmalloc
         assert info["host_allocator"] == "glibc"
+    assert info["host_allocator_settings"] == hostmem.allocator_settings(ENV)  # what the allocator started with
     # What the hero optimizer really ran with: the SPEC §4 heuristic's beta2 for this batch, not train.b2
     hp = optimizer_heuristic(total_tokens=6 * 4 * 128, width=128, batch_tokens=4 * 128)
     assert info["optimizer"] == {"name": "hero", "source": "SPEC §4 heuristic", "muonh_lr": hp.muonh_lr,

@@ -2,6 +2,7 @@
 freed memory (mimalloc from its pinned wheel, else tcmalloc where the system has it) preloaded, by re-executing
 once."""
 
+import json
 import os
 import subprocess
 import sys
@@ -184,6 +185,13 @@ def test_the_allocator_is_read_from_the_process_maps(monkeypatch, tmp_path):
     assert hostmem.allocator() == "glibc"
 
 
+def test_the_allocators_settings_are_read_from_the_environment():
+    env = {"MIMALLOC_PURGE_DELAY": "10000", "TCMALLOC_RELEASE_RATE": "0", "HOME": "/h", "MOEJAX_ALLOCATOR": "auto",
+           "LD_PRELOAD": "libx.so"}
+    assert hostmem.allocator_settings(env) == {"MIMALLOC_PURGE_DELAY": "10000", "TCMALLOC_RELEASE_RATE": "0"}
+    assert hostmem.allocator_settings({}) == {}
+
+
 def test_this_machines_glibc_and_kernel_are_read():
     assert hostmem._thp_mode() in ("always", "madvise", "never", "")
     version = hostmem._glibc_version()
@@ -242,11 +250,12 @@ def test_a_closed_stdout_or_a_program_from_stdin_is_left_alone():
 # A child that re-executes itself, makes one 1.2 GiB allocation (untouched: no memory used), and prints the
 # allocator it runs on.
 ALLOC_CHILD = """
+import json
 import numpy as np
-from moejax.hostmem import allocator, exec_with_host_memory
+from moejax.hostmem import allocator, allocator_settings, exec_with_host_memory
 exec_with_host_memory()
 big = np.empty(1200 << 20, np.uint8)
-print(allocator())
+print(allocator(), json.dumps(allocator_settings()), sep="|")
 """
 
 
@@ -258,16 +267,20 @@ def test_the_process_re_executes_onto_the_chosen_allocator_and_stays_quiet():
                            timeout=120)
         return p.returncode, p.stdout.strip(), p.stderr
 
-    def quiet(**extra):
+    def quiet(settings=None, **extra):
         rc, out, err = child(**extra)
         assert rc == 0, err[-2000:]
         assert err == ""  # no large-allocation report, no allocator warning: user errors stay one line
-        return out
+        lib, said = out.split("|")
+        if settings is not None:  # the settings the allocator started with, as run_info.json records them
+            assert json.loads(said) == settings
+        return lib
 
-    assert quiet(**{hostmem.ALLOCATOR_VAR: "glibc"}) == "glibc"
+    assert quiet({}, **{hostmem.ALLOCATOR_VAR: "glibc"}) == "glibc"
     mimalloc = hostmem._find_mimalloc()
     if _mimalloc_loads_here():  # the pinned wheel (Linux x86_64 / aarch64): the default
-        assert quiet() == mimalloc
+        assert quiet(KEEP) == mimalloc
+        assert quiet({**KEEP, "MIMALLOC_PURGE_DELAY": "50"}, MIMALLOC_PURGE_DELAY="50") == mimalloc  # the user's
         assert quiet(**{hostmem.ALLOCATOR_VAR: "mimalloc"}) == mimalloc
     if hostmem._find_tcmalloc() is None:  # not installed here: asked for, it is one line and exit 2
         rc, out, err = child(**{hostmem.ALLOCATOR_VAR: "tcmalloc"})

@@ -209,6 +209,12 @@ def allocator() -> str:
     return ", ".join(sorted(p for p in paths if "malloc" in Path(p).name)) or "glibc"
 
 
+def allocator_settings(environ=os.environ) -> dict[str, str]:
+    """The environment's mimalloc and tcmalloc settings (ours and the user's), which the preloaded allocator read
+    at start (what run_info.json records beside `allocator`)."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(("MIMALLOC_", "TCMALLOC_"))}
+
+
 def exec_with_host_memory() -> None:
     """Re-execute this interpreter, same arguments, with `host_env`'s settings; return where they change nothing.
 

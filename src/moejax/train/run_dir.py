@@ -257,6 +257,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
             "versions": {p: importlib.metadata.version(p) for p in LIBRARIES},
             "devices": [str(d) for d in jax.devices()], "process_count": jax.process_count(),
             "glibc_tunables": hostmem.tunables(), "host_allocator": hostmem.allocator(),  # huge pages; mimalloc
+            "host_allocator_settings": hostmem.allocator_settings(),  # e.g. when mimalloc hands memory back
             "xla_flags": os.environ.get("XLA_FLAGS", ""),  # with step_compiler_options: how XLA compiled the step
             "peak_flops": peak, "optimizer": optimizer_settings(cfg),  # hero: the heuristic's, not train.b2 etc.
             "accounting": accounting.summary(cfg, param_count(cfg.model))}
