@@ -292,6 +292,78 @@ def test_flash_kernel_with_earlier_keys_equals_dense(off, window):
     _assert_same(got, want)
 
 
+# bf16 kernel against the fp32 dense core, norm-wise (max |error| / max |reference|): the project's bf16 tolerance
+# (tests/test_expert_parallel.py BF16_RTOL).
+BF16_NORMWISE = 2e-2
+# Window 1's exact zeros, up to fp32 summation order (dP and delta sum the same products in different orders):
+# measured ~2.5e-6; 0.06 when delta read the unrounded dO.
+WINDOW_ONE_ATOL = 1e-4
+
+
+def _bf16_kernel_and_fp32_dense(b, s, h, hd, scale, amp, seg, window, blocks):
+    """(kernel's out, dq, dk, dv) on bf16 q/k/v, (the fp32 dense core's) on the same values, one KV head."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(1), 4)
+    q = (amp * jax.random.normal(kq, (b, s, h, hd))).astype(jnp.bfloat16)
+    k = (amp * jax.random.normal(kk, (b, s, 1, hd))).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (b, s, 1, hd)).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (b, s, h, hd))
+
+    def out_and_grads(f, *args):  # one jit, where XLA may keep a bf16 rounding in fp32 (excess precision)
+        def run(*args):
+            out, pull = jax.vjp(f, *args)
+            return out, *pull(ct)
+        return [np.asarray(a, np.float64) for a in jax.jit(run)(*args)]
+
+    f32 = lambda a: a.astype(jnp.float32)
+    dense = _per_head(lambda q, k, v: attend_dense(q, k, v, seg, window, scale), h)
+    want = out_and_grads(lambda q, k, v: dense(f32(q), f32(k), f32(v)), q, k, v)
+    got = out_and_grads(lambda q, k, v: flash_attention(q, k, v, seg, scale, window, blocks, True), q, k, v)
+    return got, want
+
+
+def test_flash_kernel_bf16_window_one_has_zero_query_and_key_gradients():
+    """Window 1: each query reads only its own key, its softmax is constant, so dQ = dK = 0 exactly. The
+    backward's delta = rowsum(O * dO) must read dO rounded to bf16 as the kernels' dP = dO V^T does; from the
+    fp32 dO each row of dS kept a residue (dQ/dK ~0.06 here; docs/LOG.md 2026-12-05, thirty-fourth session)."""
+    got, want = _bf16_kernel_and_fp32_dense(1, 16, 1, 16, 1.0, 3.0, jnp.ones((1, 16), jnp.int32), 1,
+                                            FlashBlocks(q=8, k=8, q_bwd=8, k_bwd=8))
+    for name, g in zip(("dq", "dk"), got[1:3]):
+        assert np.abs(g).max() <= WINDOW_ONE_ATOL, (name, np.abs(g).max())
+    for name, g, w in zip(("out", "dv"), got[::3], want[::3]):
+        assert np.abs(g - w).max() <= BF16_NORMWISE * np.abs(w).max(), name
+
+
+def test_flash_kernel_bf16_gradients_on_a_peaked_softmax():
+    """Short documents, a 40-key window, logits up to ~18 (scale 2, q/k x 3): most of each row's weight on a
+    few keys, so dQ/dK are small beside dO V^T, and a delta that disagrees with dP shows. bf16 kernel within
+    the bf16 tolerance of the fp32 dense core (dQ 5.1e-2, dK 9.7e-2 with the unrounded dO in delta)."""
+    rng = np.random.default_rng(0)
+    seg = jnp.asarray(np.repeat(np.arange(1, 65), rng.integers(1, 8, size=64))[:64][None], jnp.int32)
+    got, want = _bf16_kernel_and_fp32_dense(1, 64, 1, 32, 2.0, 3.0, seg, 40,
+                                            FlashBlocks(q=4, k=8, q_bwd=16, k_bwd=32, skip_documents=False))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        err = np.abs(g - w).max() / np.abs(w).max()
+        assert err <= BF16_NORMWISE, (name, err)
+
+
+@pytest.mark.parametrize("what", ["v longer", "v fewer heads", "v head dim", "k/v batch"])
+def test_flash_kernel_refuses_q_k_v_that_disagree(what):
+    """Mismatched V (length, heads, head dim) or a K/V batch other than Q's is an error naming the shapes; the
+    interpreter returned finite values from clamped reads before."""
+    q, k, v = _qkv(h=2, g=2, seed=1)
+    seg = SEG
+    if what == "v longer":
+        v = jnp.concatenate([v, v[:, :8]], axis=1)
+    elif what == "v fewer heads":
+        v = v[:, :, :1]
+    elif what == "v head dim":
+        v = jnp.concatenate([v, v], axis=-1)
+    else:
+        k, v, seg = (jnp.concatenate([a, a]) for a in (k, v, SEG))
+    with pytest.raises(ValueError, match=r"flash attention: q \(.*\), k \(.*\) and v \(.*\) must share"):
+        flash_attention(q, k, v, seg, SCALE, None, KERNEL_BLOCKS, True)
+
+
 def test_attention_impl_choice_and_override():
     assert attention_impl() == ("gpu_kernel" if jax.default_backend() == "gpu" else "xla")
     with mock.patch.dict(os.environ, {"MOEJAX_ATTENTION": "gpu_kernel"}):

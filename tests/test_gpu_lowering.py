@@ -14,7 +14,7 @@ from jax import export
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
-from moejax.model import kernel_choice
+from moejax.model import flash_gpu, kernel_choice
 from moejax.model.flash_gpu import flash_attention
 from moejax.model.moe import grouped_gpu
 from moejax.model.moe.grouped import default_block
@@ -100,6 +100,24 @@ def test_flash_attention_lowers_to_triton(window):
     grads = lambda q, k, v, s: jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, s, 0.1, window)),
                                         argnums=(0, 1, 2))(q, k, v)
     assert _triton_calls(grads, q, kv, kv, seg) == 3
+
+
+@pytest.mark.parametrize("seq", [32, 48])
+def test_flash_attention_shorter_than_a_block_lowers_or_is_refused_first(seq):
+    """A sequence shorter than the blocks is its own tile: 32 rows lower; 48 (not a power of two, which
+    Triton's tiles must be) is refused by `shape_problem`, which `kernel_choice.check_choices` asks before a
+    run starts, instead of failing inside Pallas's lowering mid-trace (it passed the check before)."""
+    q, kv, seg = _spec((1, seq, 2, 64)), _spec((1, seq, 1, 64)), _spec((1, seq), jnp.int32)
+    grads = lambda q, k, v, s: jax.grad(lambda q, k, v: jnp.sum(flash_attention(q, k, v, s, 0.1, None)),
+                                        argnums=(0, 1, 2))(q, k, v)
+    problem = flash_gpu.shape_problem(seq, 2, 1, 64)
+    if seq == 32:
+        assert problem is None and _triton_calls(grads, q, kv, kv, seg) == 3
+    else:
+        assert problem == "sequence length (48) makes block q a tile of 48 rows: not a power of two >= 16 (Triton)"
+        with pytest.raises(ValueError, match="tile of 48 rows"):
+            _triton_calls(grads, q, kv, kv, seg)
+        assert flash_gpu.shape_problem(seq, 2, 1, 64, interpret=True) is None  # the interpreter takes any tile
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["no_remat", "remat"])

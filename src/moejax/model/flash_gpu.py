@@ -225,8 +225,11 @@ def shape_problem(seq: int, heads: int, kv_heads: int, head_dim: int, blocks: Fl
         return f"fewer keys ({key_seq}) than queries ({seq})"
     for name, b, n in (("q", blocks.q, seq), ("k", blocks.k, key_seq), ("q_bwd", blocks.q_bwd, seq),
                        ("k_bwd", blocks.k_bwd, key_seq)):
-        if n % min(b, n):
-            return f"{'sequence' if n == seq else 'key'} length ({n}) not divisible by block {name} ({b})"
+        what, t = "sequence" if n == seq else "key", min(b, n)
+        if n % t:
+            return f"{what} length ({n}) not divisible by block {name} ({b})"
+        if not interpret and (t < 16 or t & (t - 1)):  # a length shorter than the block is the tile
+            return f"{what} length ({n}) makes block {name} a tile of {t} rows: not a power of two >= 16 (Triton)"
     if not interpret and (head_dim < 16 or head_dim & (head_dim - 1)):
         return f"head_dim ({head_dim}) is not a power of two >= 16 (Triton's tiles)"
     return None
@@ -241,7 +244,10 @@ def key_padding(n: int, seq: int, blocks: FlashBlocks = FlashBlocks()) -> int:
     return total - seq
 
 
-def _check(q, k, segment_ids, blocks: FlashBlocks, interpret: bool):
+def _check(q, k, v, segment_ids, blocks: FlashBlocks, interpret: bool):
+    if v.shape != k.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"flash attention: q {q.shape}, k {k.shape} and v {v.shape} must share batch and head dim, "
+                         f"k and v their whole shape")
     problem = shape_problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], blocks, interpret, k.shape[1])
     if problem:
         raise ValueError(f"flash attention: {problem}")
@@ -287,9 +293,15 @@ def _backward(q, k, v, segment_ids, o, lse, do, scale, window, blocks, interpret
     bsz, s, h, hd = q.shape
     sk, g = k.shape[1], k.shape[2]
     bq, bk = min(blocks.q_bwd, s), min(blocks.k_bwd, sk)
-    delta = jnp.einsum("bshd,bshd->bhs", o, do.astype(jnp.float32))  # rowsum(o * dO), [B, H, S]
+    # The kernels form dP = dO V^T from dO in the operands' dtype, so delta = rowsum(O * dO) must read dO rounded
+    # the same way: each row of dS = P (dP - delta) then sums to ~0, as it does exactly. From the fp32 dO, bf16
+    # dQ/dK carried an error that did not shrink with the gradient (window 1: dQ = dK = 0 exactly, the kernel gave
+    # ~0.06; docs/LOG.md 2026-12-05, thirty-fourth session). reduce_precision, not a convert pair: XLA may drop
+    # a round trip through bf16 as excess precision. The kernels also read dO in that dtype: half the bytes.
+    do_r = lax.reduce_precision(do.astype(jnp.float32), jnp.finfo(q.dtype).nexp, jnp.finfo(q.dtype).nmant)
+    delta = jnp.einsum("bshd,bshd->bhs", o, do_r)  # rowsum(o * dO), [B, H, S]
     first_k, first_q, end_q = document_bounds(_bounds_ids(segment_ids, blocks), s, bq, bk)
-    ins = (q, k, v, segment_ids, do, lse, delta)
+    ins = (q, k, v, segment_ids, do.astype(q.dtype), lse, delta)
     q_spec, kv_spec, seg_spec, row_spec = _query_specs(q, k, bq)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, scale=scale, window=window, bq=bq, bk=bk, off=sk - s, n_q=s // bq),
@@ -331,12 +343,12 @@ def flash_attention(q, k, v, segment_ids, scale: float, window: int | None = Non
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _flash(q, k, v, segment_ids, scale: float, window: int | None, blocks: FlashBlocks, interpret: bool):
-    _check(q, k, segment_ids, blocks, interpret)
+    _check(q, k, v, segment_ids, blocks, interpret)
     return _forward(q, k, v, segment_ids, scale, window, blocks, interpret)[0]
 
 
 def _flash_fwd(q, k, v, segment_ids, scale, window, blocks, interpret):
-    _check(q, k, segment_ids, blocks, interpret)
+    _check(q, k, v, segment_ids, blocks, interpret)
     o, lse = _forward(q, k, v, segment_ids, scale, window, blocks, interpret)
     return o, (q, k, v, segment_ids, o, lse)
 
