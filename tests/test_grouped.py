@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.model.kernel_choice import chosen
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.grouped import default_block, grouped_matmul, grouped_swiglu, make_layout
 from moejax.model.moe.reference import routed_reference
@@ -137,6 +138,33 @@ def test_equals_ragged_dot_and_per_group_loop():
         np.testing.assert_allclose(v, v_ref, rtol=RTOL_FP32, atol=ATOL_FP32)
         for a, b in zip(g, g_ref):
             np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+MODES = [("xla", "xla"), ("gpu_kernel", "xla"), ("gpu_kernel", "gpu_kernel")]  # MOEJAX_GROUPED, _ROWS
+
+
+@pytest.mark.parametrize("grouped,rows", MODES, ids=["xla", "kernels", "rows_in_kernels"])
+def test_no_rows_give_empty_results_and_zero_weight_gradients(grouped, rows):
+    """A = 0 (as `jax.lax.ragged_dot` takes): [0, F] out, zero weight gradients, on every path. It was an
+    error from gathering out of an empty axis."""
+    x, e = jnp.zeros((0, 16)), jnp.zeros((0,), jnp.int32)
+    ws = [jnp.ones((3, 16, 32)), jnp.ones((3, 16, 32)), jnp.ones((3, 32, 16))]
+    with chosen("MOEJAX_GROUPED", grouped), chosen("MOEJAX_GROUPED_ROWS", rows):
+        assert grouped_matmul(x, e, ws[0], 16).shape == (0, 32) and grouped_swiglu(x, e, *ws, 16).shape == (0, 16)
+        gx, gw = jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, e, w, 16)), (0, 1))(x, ws[0])
+        g = jax.grad(lambda x, ws: jnp.sum(grouped_swiglu(x, e, *ws, 16)), (0, 1))(x, ws)
+    assert gx.shape == (0, 16) and not jnp.any(gw)
+    assert g[0].shape == (0, 16) and not any(jnp.any(a) for a in g[1])
+
+
+def test_bf16_rows_with_fp32_weights_get_a_bf16_gradient_on_the_xla_path():
+    """dx in x's dtype, as plain autodiff and the kernels give it (the XLA backward returned fp32)."""
+    x = jax.random.normal(jax.random.key(0), (20, 32)).astype(jnp.bfloat16)
+    e = jax.random.randint(jax.random.key(1), (20,), 0, 4)
+    w = jax.random.normal(jax.random.key(2), (4, 32, 48))
+    with chosen("MOEJAX_GROUPED", "xla"):
+        gx, gw = jax.grad(lambda x, w: jnp.sum(grouped_matmul(x, e, w, 16)), argnums=(0, 1))(x, w)
+    assert gx.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
 
 
 def test_layout_blocks_are_single_expert_and_bounded():

@@ -211,7 +211,7 @@ def _block_matmul_bwd(res, dy_BkbF):
         dx_BkbZ = grouped_gpu.matmul_dx(dy_BkbF, w_EZF, expert_Bk, blocks_E, **kernel).astype(x_BkbZ.dtype)
         dw_EZF = grouped_gpu.matmul_dw(x_BkbZ, dy_BkbF, blocks_E, **kernel, out_dtype=w_EZF.dtype)
         return dx_BkbZ, dw_EZF, None, None
-    dx_BkbZ = jnp.einsum("nbf,nzf->nbz", dy_BkbF, w_EZF[expert_Bk])
+    dx_BkbZ = jnp.einsum("nbf,nzf->nbz", dy_BkbF, w_EZF[expert_Bk]).astype(x_BkbZ.dtype)  # as the kernels'
     dw_BkZF = jnp.einsum("nbz,nbf->nzf", x_BkbZ, dy_BkbF, preferred_element_type=jnp.float32)
     dw_EZF = jax.ops.segment_sum(dw_BkZF, expert_Bk, num_segments=w_EZF.shape[0], indices_are_sorted=True)
     return dx_BkbZ, dw_EZF.astype(w_EZF.dtype), None, None
@@ -323,6 +323,8 @@ def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Floa
     the gate/up kernel reads the source rows in place, the down projection writes the assignment rows, and
     their backward kernels read and write rows the same way, so no [Pd, Z] block copy of x, y or their
     gradients is made."""
+    if x_NZ.shape[0] == 0:  # no rows: nothing to gather (a take from an empty axis is an error)
+        return jnp.zeros((0, w_down_EFZ.shape[-1]), x_NZ.dtype)
     if not _rows_in_kernels():
         x_BkbZ = to_blocks(x_NZ, layout, rows_per_source)
         return from_blocks(swiglu_blocks(x_BkbZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ), layout)
@@ -340,6 +342,8 @@ def grouped_matmul(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_EZF: 
     """y[a] = x[a] @ w[expert_A[a]], rows in any order (one grouped GEMM, as `jax.lax.ragged_dot` but unsorted;
     `presorted` as `make_layout`: rows already in expert order skip the sort): layout, gathers into blocks,
     `block_matmul`, gather back; with MOEJAX_GROUPED_ROWS=gpu_kernel the gathers happen inside the kernels."""
+    if x_AZ.shape[0] == 0:  # as `swiglu_rows`
+        return jnp.zeros((0, w_EZF.shape[-1]), x_AZ.dtype)
     layout = make_layout(expert_A, w_EZF.shape[0], block_size, presorted)
     e, c = layout.expert_Bk, layout.blocks_E
     if not _rows_in_kernels():
