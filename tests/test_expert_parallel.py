@@ -173,13 +173,29 @@ def oracle_status(expert, mask, n_groups, n_shards, local_experts, waves, pool, 
 
 @pytest.mark.parametrize("cf_send,cf_recv", [(0.6, 1.0), (1.0, 0.5)])
 def test_tight_capacity_accounting_and_keep(inputs, cf_send, cf_recv):
+    s = _check_capacity(inputs, cf_send, cf_recv)
+    assert s["sender_dropped"] > 0 and s["receiver_dropped"] > 0, s  # both kinds really exercised
+
+
+@pytest.mark.parametrize("cf_send,cf_recv", [(1e-7, 1.0), (1.0, 1e-7)])
+def test_capacity_factors_too_small_for_a_row_get_one(inputs, cf_send, cf_recv):
+    """A positive capacity factor whose buffer rounds to 0 rows gets 1 (P, R >= 1): it was a
+    ZeroDivisionError or a take from an empty axis. Everything else as at any capacity."""
+    sizes = transport_sizes(T // 8, K, 4, E // 4, 3, cf_send, cf_recv, Z, 4)
+    assert 1 == min(sizes.send_pool, sizes.recv_capacity) <= max(sizes.send_pool, sizes.recv_capacity)
+    s = _check_capacity(inputs, cf_send, cf_recv)
+    assert s["kept"] > 0 and s["sender_dropped" if cf_send < 1 else "receiver_dropped"] > 0, s
+
+
+def _check_capacity(inputs, cf_send, cf_recv) -> dict:
+    """On expert 4 x data 2, 3 waves: the stats add up, the status is the oracle's, and values and gradients
+    are the reference's with the dropped assignments' weights zeroed; returns the stats."""
     expert_n, data_n, waves = 4, 2, 3
     mesh = make_mesh(expert_n, data_n)
     (_, (y, stats, status)), grads = ep_fn(mesh, waves, cf_send, cf_recv)(*shard(mesh, inputs))
     status = np.asarray(status)
     s = {k: int(v) for k, v in stats._asdict().items()}
     assert s["kept"] + s["sender_dropped"] + s["receiver_dropped"] == s["valid"] == int(inputs[3].sum()) * K
-    assert s["sender_dropped"] > 0 and s["receiver_dropped"] > 0, s  # both kinds really exercised
     for code, name in [(KEPT, "kept"), (SENDER_DROPPED, "sender_dropped"), (RECEIVER_DROPPED, "receiver_dropped")]:
         assert int((status == code).sum()) == s[name]
 
@@ -193,6 +209,7 @@ def test_tight_capacity_accounting_and_keep(inputs, cf_send, cf_recv):
     assert_close(y, y_ref, FP32_RTOL, "y vs reference with keep mask")
     for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
         assert_close(g, g_ref, FP32_RTOL, f"d{name} vs reference with keep mask")
+    return s
 
 
 def test_skewed_routing_spreads_receiver_drops_evenly():

@@ -88,10 +88,11 @@ def header_digits(local_experts: int) -> int:
 
 def transport_sizes(tokens_per_device: int, top_k: int, n_shards: int, local_experts: int, waves: int,
                     cf_send: float, cf_recv: float, latent_width: int, dtype_bytes: int) -> TransportSizes:
-    """P = ceil(cf_send*A/(X*W)), R = ceil(cf_recv*A/(E_loc*W)), capped where larger buffers cannot fill."""
+    """P = ceil(cf_send*A/(X*W)), R = ceil(cf_recv*A/(E_loc*W)), capped where larger buffers cannot fill, and
+    at least one row each (a tiny capacity factor rounded them to 0 buffers, an error deep in the transport)."""
     a = tokens_per_device * top_k
-    p = min(_ceil(cf_send * a / (n_shards * waves)), -(-a // waves))
-    r = min(_ceil(cf_recv * a / (local_experts * waves)), n_shards * p)
+    p = max(1, min(_ceil(cf_send * a / (n_shards * waves)), -(-a // waves)))
+    r = max(1, min(_ceil(cf_recv * a / (local_experts * waves)), n_shards * p))
     digits = header_digits(local_experts)
     m = -(-digits * p // latent_width)
     rows = n_shards * (m + p)
