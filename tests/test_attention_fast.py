@@ -308,7 +308,7 @@ def _bf16_kernel_and_fp32_dense(b, s, h, hd, scale, amp, seg, window, blocks):
     v = jax.random.normal(kv, (b, s, 1, hd)).astype(jnp.bfloat16)
     ct = jax.random.normal(kc, (b, s, h, hd))
 
-    def out_and_grads(f, *args):  # one jit, where XLA may keep a bf16 rounding in fp32 (excess precision)
+    def out_and_grads(f, *args):  # jitted as one program, as a train step runs it
         def run(*args):
             out, pull = jax.vjp(f, *args)
             return out, *pull(ct)
