@@ -105,7 +105,8 @@ def test_env_preloads_mimalloc_first_where_it_loads_cleanly(monkeypatch):
     monkeypatch.setattr(hostmem, "_find_tcmalloc", lambda: TCMALLOC)
     tried = []
     monkeypatch.setattr(hostmem, "_preload_problem", lambda lib, settings: tried.append((lib, settings)))
-    assert hostmem.host_env({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": MIMALLOC, **MIMALLOC_ENV, hostmem.EXECUTED: "1"}
+    assert hostmem.host_env({"HOME": "/h"}) == {"HOME": "/h", "LD_PRELOAD": MIMALLOC, **MIMALLOC_ENV,
+                                                hostmem.EXECUTED: "1"}
     assert tried == [(MIMALLOC, MIMALLOC_ENV)]  # tried with the settings it will run with
     env = hostmem.host_env({"MIMALLOC_PURGE_DELAY": "100"})  # the user's own setting is kept, and tried
     assert env["MIMALLOC_PURGE_DELAY"] == "100" and tried[-1][1]["MIMALLOC_PURGE_DELAY"] == "100"
@@ -280,7 +281,8 @@ def test_the_process_re_executes_onto_the_chosen_allocator_and_stays_quiet():
     mimalloc = hostmem._find_mimalloc()
     if _mimalloc_loads_here():  # the pinned wheel (Linux x86_64 / aarch64): the default
         assert quiet(MIMALLOC_ENV) == mimalloc
-        assert quiet({**MIMALLOC_ENV, "MIMALLOC_PURGE_DELAY": "50"}, MIMALLOC_PURGE_DELAY="50") == mimalloc  # the user's
+        users = {**MIMALLOC_ENV, "MIMALLOC_PURGE_DELAY": "50"}  # the user's own setting is what it starts with
+        assert quiet(users, MIMALLOC_PURGE_DELAY="50") == mimalloc
         assert quiet(**{hostmem.ALLOCATOR_VAR: "mimalloc"}) == mimalloc
     if hostmem._find_tcmalloc() is None:  # not installed here: asked for, it is one line and exit 2
         rc, out, err = child(**{hostmem.ALLOCATOR_VAR: "tcmalloc"})
