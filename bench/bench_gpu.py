@@ -11,8 +11,9 @@ Shapes:
 Paths: `local` (dropless grouped GEMM, the single-device default: the Pallas kernels of
 `moejax.model.moe.grouped_gpu` on a GPU) and `capacity` (the pooled-wave transport forced on a 1-device
 mesh: parallel.moe_backend=ep, cf 1.15); opt-in: `local-xla`, the local path on the XLA block einsums
-(MOEJAX_GROUPED=xla), to A/B the grouped-GEMM kernel, and `local-rows`, the kernels reading and writing the
-rows in place (MOEJAX_GROUPED_ROWS=gpu_kernel), to A/B the row gathers inside them.
+(MOEJAX_GROUPED=xla), to A/B the grouped-GEMM kernel, `local-rows`, the kernels reading and writing the
+rows in place (MOEJAX_GROUPED_ROWS=gpu_kernel), to A/B the row gathers inside them, and `capacity-grouped`, the
+capacity path's expert MLPs on those kernels, computing only the kept rows (MOEJAX_EP_GROUPED=gpu_kernel).
 MFU = 3 x analytic forward FLOPs/token x tokens / step time / the job's peak (`moejax.perf.job_peak`: bf16
 matmul measured at start on GPU, fp32 on CPU). Beside each measurement, the roofline of the same compiled
 step (`moejax.roofline`, at the measured peak and in-place memory bandwidth): how far the step is from its
@@ -30,6 +31,9 @@ Grouped-GEMM kernel vs XLA einsums on G:        PYTHONPATH=src python bench/benc
 Row gathers in the kernels or by XLA, fast layout:
                                                 PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled --no-remat \
                                                   --paths local,local-rows
+The capacity path's experts on einsums or the kernels:
+                                                PYTHONPATH=src python bench/bench_gpu.py --shapes G --unrolled --no-remat \
+                                                  --paths capacity,capacity-grouped
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ import numpy as np
 
 from moejax import accounting, roofline
 from moejax.config import ParallelConfig, RunConfig, TrainConfig
-from moejax.model.kernel_choice import ATTENTION, GROUPED, GROUPED_ROWS, NEWTON_SCHULZ, chosen, kernel_impl
+from moejax.model.kernel_choice import (ATTENTION, EP_GROUPED, GROUPED, GROUPED_ROWS, NEWTON_SCHULZ, chosen,
+                                        kernel_impl)
 from moejax.parallel.backends import attention_kernel, moe_backend
 from moejax.parallel.mesh import batch_sharding, make_mesh
 from moejax.perf import job_peak, measure_bandwidth
@@ -110,13 +115,15 @@ def synthetic_batch(cfg: RunConfig, seed: int, mean_doc: int = 1024) -> dict:
 
 
 TRACED_STEPS = 2  # steps in the profile; its kernel totals are divided by this for figures a step
-# The local path with one kernel choice set: the XLA einsums, or the kernels' row gathers inside them.
-LOCAL_VARIANTS = {"local-xla": (GROUPED[0], "xla"), "local-rows": (GROUPED_ROWS[0], "gpu_kernel")}
+# A path with one kernel choice set: the local path on the XLA einsums, or with the kernels' row gathers inside
+# them; the capacity path with its expert MLPs on the grouped kernels.
+VARIANTS = {"local-xla": ("local", GROUPED[0], "xla"), "local-rows": ("local", GROUPED_ROWS[0], "gpu_kernel"),
+            "capacity-grouped": ("capacity", EP_GROUPED[0], "gpu_kernel")}
 
 
 def moe_backend_of(path: str) -> str:
     """parallel.moe_backend of a bench path: `local`, `local-xla`, `local-rows` the dropless local path,
-    `capacity` ep."""
+    `capacity`, `capacity-grouped` ep."""
     return "local" if path.startswith("local") else "ep"
 
 
@@ -163,9 +170,10 @@ def kernel_rates(totals: Totals, roof: dict) -> list[tuple[str, float, int, floa
 
 def run_case(cfg: RunConfig, path: str, steps: int, peak: float, bandwidth: float, profile: bool) -> dict:
     # the choices are read at trace time, i.e. in the first (compiling) step
-    if path in LOCAL_VARIANTS:
-        with chosen(*LOCAL_VARIANTS[path]):
-            return dict(run_case(cfg, "local", steps, peak, bandwidth, profile), path=path)
+    if path in VARIANTS:
+        base, env_var, impl = VARIANTS[path]
+        with chosen(env_var, impl):
+            return dict(run_case(cfg, base, steps, peak, bandwidth, profile), path=path)
     backend = moe_backend_of(path)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, moe_backend=backend))
     mesh = make_mesh(cfg.parallel)
@@ -232,7 +240,8 @@ def main() -> int:
     bandwidth = measure_bandwidth(1 << 24 if jax.default_backend() == "cpu" else 1 << 28)  # past L2 on a GPU
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"peak {peak / 1e12:.1f} TFLOP/s ({peak_info['peak_source']}); attention "
-          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)} (rows {kernel_impl(*GROUPED_ROWS)}), "
+          f"{kernel_impl(*ATTENTION)}, grouped GEMM {kernel_impl(*GROUPED)} (rows {kernel_impl(*GROUPED_ROWS)}; "
+          f"capacity path's experts {kernel_impl(*EP_GROUPED)}), "
           f"Newton-Schulz {kernel_impl(*NEWTON_SCHULZ)} (one-device runs); memory bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s (in place)",
           flush=True)

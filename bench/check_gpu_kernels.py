@@ -4,7 +4,8 @@ checks the same kernels through the Pallas interpreter on CPU; this checks what 
 - grouped GEMM: `grouped_swiglu` (the kernels' forward, dx and dw; gate and up as one matmul, the down
   projection's dx with the activation's derivative) vs an fp32 per-row SwiGLU, values and the
   gradients of x and the three weights; unaligned groups with empty experts at E = 64 and 384, bf16 and fp32;
-  and bf16 with the rows read and written inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel).
+  and bf16 with the rows read and written inside the kernels (MOEJAX_GROUPED_ROWS=gpu_kernel); the
+  transport's kept-rows entry (`swiglu_kept_rows`, MOEJAX_EP_GROUPED), skipped rows exactly 0.
 - flash attention: the kernel vs the dense fp32 core, values and q/k/v gradients; local (window) and
   global (GQA on 1 KV head) layers, packed documents, bf16 and fp32; and keys extended in front (context
   parallelism: 256 earlier keys, -1 padding on one row).
@@ -32,7 +33,7 @@ from bench_gpu import packed_segments  # bench/ is sys.path[0] when run as a scr
 from moejax.model.attention import _softmax_av, block_mask
 from moejax.model.flash_gpu import FlashBlocks, flash_attention
 from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, chosen, run_interpreted
-from moejax.model.moe.grouped import grouped_swiglu
+from moejax.model.moe.grouped import grouped_swiglu, swiglu_kept_rows
 
 TOLERANCE = {"bfloat16": 4 * 2.0 ** -8, "float32": 4 * 2.0 ** -11}
 HP = jax.lax.Precision.HIGHEST
@@ -62,9 +63,14 @@ def swiglu_reference(x, expert_A, wg, wu, wd):
 
 
 def check_grouped(n_exp: int, rows: int, width: int, dtype: str, rows_in_kernels: str = "xla") -> dict:
+    """rows_in_kernels: "xla" (XLA gathers rows into blocks), "gpu_kernel" (MOEJAX_GROUPED_ROWS: the kernels
+    read and write the rows), "kept" (`swiglu_kept_rows`, the transport's experts under MOEJAX_EP_GROUPED:
+    ~15% of the rows are no expert's and must come out, with their input gradient, exactly 0)."""
     rng = np.random.default_rng(n_exp)
     probs = rng.dirichlet(np.full(n_exp, 0.3))  # uneven loads, some experts empty
     expert_A = jnp.asarray(rng.choice(n_exp, size=rows, p=probs), jnp.int32)
+    if rows_in_kernels == "kept":
+        return _check_kept(n_exp, expert_A, width, dtype, rng)
     dt = jnp.dtype(dtype)
     x = jnp.asarray(rng.normal(size=(rows, width)), dt)
     ws = [jnp.asarray(rng.normal(size=s) / np.sqrt(width), dt)
@@ -137,6 +143,28 @@ def check_ns(n: int, width: int) -> dict:
             "tol": TOLERANCE["bfloat16"]}
 
 
+def _check_kept(n_exp: int, expert_A, width: int, dtype: str, rng) -> dict:
+    """`check_grouped` for the kept-rows entry: values and gradients against the fp32 reference with the
+    skipped rows zeroed; `skipped` is the largest |y| or |dx| on a skipped row (its tolerance: exactly 0)."""
+    rows = expert_A.shape[0]
+    skip = rng.random(rows) < 0.15
+    expert_A = jnp.where(jnp.asarray(skip), n_exp, expert_A)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(rng.normal(size=(rows, width)), dt)
+    ws = [jnp.asarray(rng.normal(size=(n_exp, width, width)) / np.sqrt(width), dt) for _ in range(3)]
+    ct = jnp.asarray(rng.normal(size=(rows, width)), jnp.float32)
+    got = value_and_grads(lambda x, *w: swiglu_kept_rows(x, expert_A, *w), (x, *ws), ct, kernels=2 * 3)
+    ref_fn = lambda x, *w: jnp.where(jnp.asarray(skip)[:, None],
+                                     0.0, swiglu_reference(x, jnp.minimum(expert_A, n_exp - 1), *w))
+    ref = value_and_grads(ref_fn, (x.astype(jnp.float32), *(w.astype(jnp.float32) for w in ws)), ct)
+    names = ["y", "dx", "dw_gate", "dw_up", "dw_down"]
+    errs = [rel_err(got[0], ref[0])] + [rel_err(a, b) for a, b in zip(got[1], ref[1])]
+    on_skipped = max(float(np.abs(np.asarray(a, np.float32)[skip]).max()) for a in (got[0], got[1][0]))
+    errs.append(np.inf if on_skipped else 0.0)
+    return {"what": f"kept-rows SwiGLU (MOEJAX_EP_GROUPED) E={n_exp}, {rows} rows ({int(skip.sum())} skipped) "
+                    f"x {width}, {dtype}", "errors": dict(zip(names + ["skipped"], errs)), "tol": TOLERANCE[dtype]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU-sized shapes, kernels interpreted")
@@ -144,12 +172,14 @@ def main() -> int:
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
           + ("; kernels interpreted (a check of the script)" if run_interpreted() else ""))
     if a.smoke:
-        grouped = [(8, 300, 32, "float32"), (8, 300, 32, "bfloat16"), (8, 300, 32, "bfloat16", "gpu_kernel")]
+        grouped = [(8, 300, 32, "float32"), (8, 300, 32, "bfloat16"), (8, 300, 32, "bfloat16", "gpu_kernel"),
+                   (8, 300, 32, "bfloat16", "kept")]
         flash = [(64, 4, 2, 16, 24, 0), (64, 4, 1, 16, None, 0), (64, 4, 1, 16, None, 32)]
         blocks = FlashBlocks(q=16, k=16, q_bwd=16, k_bwd=16)
     else:
         grouped = [(e, 8192, 256, dt) for e in (64, 384) for dt in ("bfloat16", "float32")]
         grouped += [(e, 8192, 256, "bfloat16", "gpu_kernel") for e in (64, 384)]
+        grouped += [(6, 8192, 256, "bfloat16", "kept"), (6, 8192, 256, "float32", "kept")]  # the hero's E_loc
         flash = [(1024, 8, 2, 128, 256, 0), (1024, 8, 1, 128, None, 0), (1024, 8, 1, 128, None, 256),
                  (1024, 8, 2, 128, 256, 256)]
         blocks = None  # the kernel's defaults for each dtype (FlashBlocks.for_dtype)

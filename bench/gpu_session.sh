@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Everything issue 11 needs from one GPU session, unattended, each part time-limited (~24 minutes of limits
+# Everything issue 11 needs from one GPU session, unattended, each part time-limited (~28 minutes of limits
 # in all, so with a 10-minute limit per command and 15 minutes of device time, run the parts that matter as
 # calls on one warm machine, back to back: it is given back after 30 s idle). Next session (after the
 # twenty-fourth, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
 # to 240 s; by the deviceless roofline the rows-in-the-kernels grouped GEMM is at 0.88 / 0.79 of the dense
 # dot at E = 64 / 384, against 0.55 / 0.47 for the default path), then PARTS="fast" (up to 330 s), then,
 # with device time left, PARTS="d1024" (the rung in the run's default layout, unrolled without remat: 86 GB,
-# roofline 255 ms against 305 ms scanned with remat, never timed) or PARTS="step" (d1024 scanned with remat,
+# roofline 255 ms against 305 ms scanned with remat, never timed), PARTS="ep" (the capacity path's experts on
+# the grouped kernels, never timed) or PARTS="step" (d1024 scanned with remat,
 # both paths; its capacity path runs since the twenty-third session). On an H100 (80 GB; `device`'s default kind
 # since 2026-12-05) run the same parts: each times its own baselines (the dense dot, the default path) in the same
 # call, so its ratios stand on their own; its absolute figures don't compare with the H200's.
@@ -22,6 +23,8 @@
 #            MOEJAX_GROUPED_ROWS's default), then the capacity path;
 #   d1024    bench_gpu.py: the d1024 rung's local path in the run's default layout (unrolled, no remat; with remat
 #            on a GPU under 100 GB, e.g. an 80 GB H100, where 86 GB doesn't fit);
+#   ep       bench_gpu.py --paths capacity,capacity-grouped on G, fast layout: the transport's expert MLPs on
+#            einsums over its capacity buffers or on the grouped kernels, kept rows only (decides MOEJAX_EP_GROUPED);
 #   step     bench_gpu.py: shapes G and d1024, capacity and local paths, top kernels of a profile (d1024's capacity
 #            path runs since the twenty-third session: two-digit expert ids in the transport header);
 #   ab       bench_gpu.py --paths local,local-rows on G in the default layout (scanned, remat).
@@ -32,7 +35,7 @@
 # CPU check of the script itself (small shapes, ~2 minutes):  SMOKE=1 bash bench/gpu_session.sh
 set -u
 out="${OUT:-bench_out}"
-parts="${PARTS:-check fast d1024 step grouped flash ab}"
+parts="${PARTS:-check fast d1024 ep step grouped flash ab}"
 mkdir -p "$out"
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # peak-memory figures from the allocator, not a 75% preallocation
@@ -75,6 +78,10 @@ gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/d
 if [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] 2>/dev/null; then d1024_remat=(); fi
 part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled \
   ${d1024_remat[@]+"${d1024_remat[@]}"} --steps 4 --budget-s 120 "${step_args[@]}"
+# the capacity path's expert MLPs on batched einsums over its buffers, then on the grouped kernels computing
+# only the kept rows (MOEJAX_EP_GROUPED, never timed), in G's fast layout
+part ep 240 python bench/bench_gpu.py --shapes G --paths capacity,capacity-grouped --unrolled --no-remat \
+  --no-profile --steps 4 --budget-s 150 "${step_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --no-profile --steps 4 --budget-s 120 \
   "${step_args[@]}"

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from moejax.config import ParallelConfig, apply_overrides
 from moejax.data.pipeline import make_data
+from moejax.model.kernel_choice import EP_GROUPED, chosen
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.reference import routed_reference
 from moejax.model.transformer import Transformer, forward
@@ -210,6 +211,47 @@ def _check_capacity(inputs, cf_send, cf_recv) -> dict:
     for name, g, g_ref in zip(GRAD_NAMES, grads, grads_ref):
         assert_close(g, g_ref, FP32_RTOL, f"d{name} vs reference with keep mask")
     return s
+
+
+KERNEL_WIDTH = 16  # the grouped kernels' smallest tile: Z = F = 16
+
+
+def _kernel_inputs(dtype):
+    """make_inputs at the kernels' widths, routed so that local experts 3 and 9 (of 4 shards x 4) get no rows."""
+    inputs = make_inputs(width=KERNEL_WIDTH, hidden=KERNEL_WIDTH, dtype=dtype)
+    used = jnp.asarray([e for e in range(E) if e not in (3, 9)], jnp.int32)
+    inputs[1] = used[make_inputs(n_exp=E - 2)[1]]
+    return inputs
+
+
+@pytest.mark.parametrize("dtype,expert,data,cf", [(jnp.float32, 4, 2, 0.5), (jnp.float32, 8, 1, NO_DROP_CF),
+                                                 (jnp.bfloat16, 4, 2, 0.6)], ids=["fp32_drops", "fp32", "bf16_drops"])
+def test_grouped_kernels_match_the_capacity_buffers(dtype, expert, data, cf):
+    """MOEJAX_EP_GROUPED: the expert MLPs on the grouped GEMM kernels (the Pallas interpreter here), reading the
+    received rows in place and computing only the kept ones, against the default batched einsums over the
+    capacity buffers (fp32): the same drops, the same values and all five gradients, with empty experts and
+    drops at both ends."""
+    inputs = _kernel_inputs(dtype)
+    mesh = make_mesh(expert, data)
+    cot = jax.random.normal(jax.random.key(99), (T, KERNEL_WIDTH))
+    run = lambda args: jax.jit(jax.value_and_grad(
+        lambda *a: (lambda y, st, status: (jnp.sum(y * cot), (st, status)))(
+            *routed_expert_parallel_debug(*a, mesh=mesh, cf_send=cf, cf_recv=cf)),
+        argnums=GRAD_ARGS, has_aux=True))(*shard(mesh, args))
+    fp32 = [a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in inputs]
+    (loss, (stats, status)), grads = run(fp32)
+    with chosen(EP_GROUPED[0], "gpu_kernel"):
+        (k_loss, (k_stats, k_status)), k_grads = run(inputs)
+    np.testing.assert_array_equal(np.asarray(k_status), np.asarray(status))
+    assert k_stats._asdict() == stats._asdict()
+    if cf < 1:
+        assert int(stats.sender_dropped) > 0 and int(stats.receiver_dropped) > 0, stats
+    rtol = FP32_RTOL if dtype == jnp.float32 else BF16_RTOL
+    assert_close(k_loss, loss, rtol, "loss")
+    for name, g, g_ref in zip(GRAD_NAMES, k_grads, grads):
+        assert_close(g, g_ref, rtol, f"d{name}")
+    for w in k_grads[2:]:  # the empty experts' weight gradients are exactly 0
+        assert not np.asarray(w)[[3, 9]].any()
 
 
 def test_skewed_routing_spreads_receiver_drops_evenly():

@@ -21,6 +21,7 @@ from moejax.model.moe.grouped import default_block
 from moejax.config import ParallelConfig
 from moejax.ladder.lower import TRITON_CALL, abstract_train_inputs
 from moejax.parallel.backends import attention_kernel, moe_backend
+from moejax.parallel.expert_parallel import transport_sizes
 from moejax.parallel.mesh import MESH_AXES
 from moejax.presets import TINY, ladder_rung
 from moejax.train import ns_gpu
@@ -205,7 +206,14 @@ def test_mesh_step_with_rows_in_the_grouped_kernels(monkeypatch):
     _lower_mesh_step(dict(data=8), "gpu_kernel", monkeypatch)
 
 
-def _lower_mesh_step(axes: dict, rows_in_kernels: str, monkeypatch):
+def test_mesh_step_with_the_transports_experts_on_the_grouped_kernels(monkeypatch):
+    """MOEJAX_EP_GROUPED=gpu_kernel on data 2 x expert 4: every wave's expert MLPs run on the grouped kernels
+    inside the transport's shard_map, reading the received block's rows in place ([X*P, Z], no [E_loc, R, Z]
+    buffer) and writing the returned rows."""
+    _lower_mesh_step(dict(data=2, expert=4), "xla", monkeypatch, ep_grouped="gpu_kernel")
+
+
+def _lower_mesh_step(axes: dict, rows_in_kernels: str, monkeypatch, ep_grouped: str = "xla"):
     """On 8 abstract H200s, the train step's kernels are called inside the batch shards' shard_map with one
     device's rows (batch 8 over 8 shards: 1 row each): attention on both MoE backends, the grouped GEMM on
     the local one (the EP backend's experts are batched einsums on its fixed buffers). Under shard_map
@@ -213,6 +221,7 @@ def _lower_mesh_step(axes: dict, rows_in_kernels: str, monkeypatch):
     monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED", "gpu_kernel")
     monkeypatch.setenv("MOEJAX_GROUPED_ROWS", rows_in_kernels)
+    monkeypatch.setenv("MOEJAX_EP_GROUPED", ep_grouped)
     model = toy_model(d_model=64, head_dim=16, window=32, rope_dim=8, expert_width=32, latent_width=32,
                       shared_width=32, vocab_size=256, n_layers=2, compute_dtype="bfloat16")
     par = ParallelConfig(**axes)
@@ -234,7 +243,19 @@ def _lower_mesh_step(axes: dict, rows_in_kernels: str, monkeypatch):
     b = default_block(rows, model.n_experts, grouped_gpu.MIN_TILE)
     shard_blocks = f"tensor<{(rows + model.n_experts * (b - 1)) // b}x{b}x"  # [Bk, b, ...] of one shard's rows
     grouped = [o for o in operands if o not in attention]
-    assert len(grouped) == (model.n_layers * 2 * 3 if par.resolved_backend == "local" else 0)
+    if par.resolved_backend == "ep":
+        # Per layer and wave: gate/up's forward twice (the expert compute's checkpoint reruns it for the
+        # backward; the down projection's forward is not rerun: its output isn't needed), the down projection's
+        # forward, and dx and dw of each. Five of the seven read the received block's [X*P, Z] rows in place
+        # (gate/up's forwards and dw, the down projection's dx_act and dw, through its return rows).
+        calls = model.n_layers * par.waves
+        assert len(grouped) == (calls * 7 if ep_grouped == "gpu_kernel" else 0)
+        sizes = transport_sizes(64, model.top_k, par.expert, model.n_experts // par.expert, par.waves,
+                                par.cf_send, par.cf_recv, model.latent_width, 2)  # one row of 64 tokens a device
+        received = f"tensor<{par.expert * sizes.send_pool}x{model.latent_width}xbf16>"
+        assert sum(received in o for o in grouped) == (calls * 5 if ep_grouped == "gpu_kernel" else 0), grouped[:1]
+        return
+    assert len(grouped) == model.n_layers * 2 * 3
     if rows_in_kernels == "xla":
         assert all(shard_blocks in o for o in grouped), (shard_blocks, grouped[:1])
     else:  # gate/up's forward and dw read the shard's tokens; the down projection's dx_act and dw its rows

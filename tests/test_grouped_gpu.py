@@ -11,12 +11,13 @@ import pytest
 
 from moejax.config import ConfigError
 from moejax.model import kernel_choice
-from moejax.model.kernel_choice import ATTENTION, GROUPED, GROUPED_ROWS, chosen, kernel_impl
-from moejax.model.moe import grouped_gpu
+from moejax.model.kernel_choice import ATTENTION, EP_GROUPED, GROUPED, GROUPED_ROWS, chosen, kernel_impl
+from moejax.model.moe import grouped, grouped_gpu
 from moejax.model.layers import swiglu_act
 from moejax.model.moe.experts import routed_local
 from moejax.model.moe.grouped import (_swiglu_down, block_matmul, from_blocks, grouped_matmul, grouped_swiglu,
                                       make_layout, row_maps, to_blocks)
+from tests.helpers import toy_model
 from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem, per_row_reference
 
 # bf16 against fp32, relative Frobenius norm: four bf16 unit roundoffs (2^-8 each), for the chain of
@@ -218,6 +219,50 @@ def test_grouped_matmul_with_rows_in_kernels_equals_the_per_row_matmul():
     want = jax.value_and_grad(lambda x, w: jnp.vdot(per_row(x, w), ct), argnums=(0, 1))(x, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+def test_kept_rows_skip_the_rest_exactly():
+    """`swiglu_kept_rows` (the expert-parallel transport's expert compute on the kernels): rows marked E (no
+    expert's; here the last group) come out exactly 0 and get exactly 0 input gradient, since the kernels skip
+    their blocks, yet store zeros through the row maps; the kept rows and every weight gradient equal the
+    per-row reference over the kept rows alone. Only the kept rows' blocks are computed."""
+    sizes = [5, 0, 13, 1, 29, 0, 6, 17, 23]  # UNALIGNED's 8 experts, then 23 rows of no expert's
+    x, expert_A, ws, ct = _problem(12, sizes, Z=32, F=48)
+    n_exp = len(sizes) - 1
+    ws = [w[:n_exp] for w in ws]
+    kept = np.asarray(expert_A) < n_exp
+    layout = grouped.skipping_layout(expert_A, n_exp, 16)
+    assert int(layout.blocks_E.sum()) == sum(-(-n // 16) for n in sizes[:n_exp])  # the kept rows' blocks only
+    assert layout.n_blocks * 16 >= len(kept)  # every row has a place, the skipped ones in the tail
+
+    def masked_reference(x, *w):
+        return jnp.where(kept[:, None], per_row_reference(x, jnp.minimum(expert_A, n_exp - 1), *w), 0.0)
+
+    fn = lambda x, *w: grouped.swiglu_kept_rows(x, expert_A, *w, block_size=16)
+    y = jax.jit(fn)(x, *ws)
+    assert not np.asarray(y)[~kept].any()
+    np.testing.assert_allclose(y, masked_reference(x, *ws), rtol=RTOL_FP32, atol=ATOL_FP32)
+    grads = [jax.jit(jax.grad(lambda x, *w: jnp.vdot(f(x, *w), ct), argnums=(0, 1, 2, 3)))(x, *ws)
+             for f in (fn, masked_reference)]
+    assert not np.asarray(grads[0][0])[~kept].any()
+    for name, a, b in zip(["x", "w_gate", "w_up", "w_down"], *grads):
+        np.testing.assert_allclose(a, b, rtol=RTOL_FP32, atol=ATOL_FP32, err_msg=f"grad {name}")
+    names = str(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(fn(x, *ws))))(x))
+    assert all(f"moejax_grouped_{kind}_rows" in names for kind in ("fwd", "dx", "dw", "dx_act")), names.count("_rows")
+
+
+def test_ep_grouped_is_opt_in_even_on_a_gpu(monkeypatch):
+    """MOEJAX_EP_GROUPED defaults to the capacity buffers' einsums on a GPU too (not yet timed there); chosen,
+    it holds, and a model the kernels can't take is refused before a run."""
+    monkeypatch.delenv("MOEJAX_EP_GROUPED", raising=False)
+    monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
+    assert kernel_impl(*EP_GROUPED) == "xla"
+    monkeypatch.setenv("MOEJAX_EP_GROUPED", "gpu_kernel")
+    assert kernel_choice.current()["impl"]["MOEJAX_EP_GROUPED"] == "gpu_kernel"  # a step pins it
+    monkeypatch.setenv("MOEJAX_GROUPED", "xla")  # independent of the local path's choice
+    model = toy_model(latent_width=24)
+    with pytest.raises(ConfigError, match="MOEJAX_EP_GROUPED=gpu_kernel: width 24 has no tile"):
+        kernel_choice.check_choices(model)
 
 
 def test_rows_in_kernels_is_opt_in_even_on_a_gpu(monkeypatch):

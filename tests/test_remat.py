@@ -32,7 +32,11 @@ def _grad_fn(cfg, routed, remat):
     return jax.jit(jax.grad(lambda p, b: model_loss(p, b, cfg, routed, remat=remat)[0]))
 
 
-def test_remat_keeps_transport_results_and_gradients():
+@pytest.mark.parametrize("experts", ["xla", "gpu_kernel"], ids=["capacity_einsums", "grouped_kernels"])
+def test_remat_keeps_transport_results_and_gradients(experts, monkeypatch):
+    """Also with the expert MLPs on the grouped kernels (MOEJAX_EP_GROUPED; interpreted here), whose own
+    checkpoint sits between the kept dispatch and return."""
+    monkeypatch.setenv("MOEJAX_EP_GROUPED", experts)
     cfg, routed, params, batch = _setup()
     grads, counts = {}, {}
     for remat in (True, False):

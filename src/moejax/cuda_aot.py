@@ -202,13 +202,15 @@ def _kernel_cases():
     function for the optimizer's Newton-Schulz): small shapes that take every code path of the kernels. Their
     Triton compile mostly doesn't depend on the sizes beyond the tiles, but ptxas's register allocation can:
     `matmul_dx_act` spills 12 B at the step's row counts (81,920 rows and more at width 512, not at 65,536;
-    docs/LOG.md 2026-12-04, twenty-first session), which these shapes don't reach."""
+    docs/LOG.md 2026-12-04, twenty-first session), which these shapes don't reach. The spill comes with
+    128-row blocks (with rows in the kernels too, and in `swiglu_kept_rows`), and not with 64-column dx_act tiles
+    (docs/LOG.md 2026-12-05/06, thirty-fifth session)."""
     import jax
     import jax.numpy as jnp
 
     from moejax.model.flash_gpu import flash_attention
     from moejax.model.kernel_choice import GROUPED_ROWS, chosen
-    from moejax.model.moe.grouped import grouped_swiglu
+    from moejax.model.moe.grouped import grouped_swiglu, swiglu_kept_rows
 
     sds = jax.ShapeDtypeStruct
 
@@ -229,6 +231,14 @@ def _kernel_cases():
         # forward kernels (the down projection's is dead: sum's gradient doesn't read it), 2 dx, 2 dw
         return f, (sds((rows, width), dtype), sds((rows,), jnp.int32), w, w, w), 5
 
+    def kept_rows_grad(n_exp, dtype, rows=1024, width=256):
+        # 1,024 rows: blocks of 64 (at 4,096, 128-row blocks: the dx_act spill above, as the local path's)
+        def f(x, e, wg, wu, wd):  # ids == n_exp: rows the transport doesn't keep, skipped
+            loss = lambda x, wg, wu, wd: swiglu_kept_rows(x, e, wg, wu, wd).astype(jnp.float32).sum()
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+        w = sds((n_exp, width, width), dtype)
+        return f, (sds((rows, width), dtype), sds((rows,), jnp.int32), w, w, w), 5  # as grouped_grad's
+
     def newton_schulz_stack(shape):
         from moejax.train.optimizer import newton_schulz
 
@@ -247,6 +257,7 @@ def _kernel_cases():
         ("grouped SwiGLU fp32 E=64", *grouped_grad(64, f32)),
         ("grouped SwiGLU bf16 E=64, rows read and written in the kernels (MOEJAX_GROUPED_ROWS)",
          *grouped_grad(64, bf16, rows_in_kernels="gpu_kernel")),
+        ("kept-rows SwiGLU bf16 E=6, the transport's experts (MOEJAX_EP_GROUPED)", *kept_rows_grad(6, bf16)),
         ("Newton-Schulz bf16 [8, 512, 512] stack", *newton_schulz_stack((8, 512, 512))),
     ]
 

@@ -5,7 +5,9 @@ optimizer's Newton-Schulz: MOEJAX_NS, whose default kernel is for single-device 
 environment variable chooses explicitly ('xla' or 'gpu_kernel'); unset, a GPU backend gets the kernel and
 everything else XLA; a kernel chosen off GPU runs interpreted. Opt-in ops (`OPT_IN`) default to XLA
 everywhere until a GPU has measured their kernel: MOEJAX_GROUPED_ROWS, the grouped GEMM kernels reading and
-writing the rows in place instead of XLA gathering them into blocks and back (`grouped.swiglu_rows`). On
+writing the rows in place instead of XLA gathering them into blocks and back (`grouped.swiglu_rows`), and
+MOEJAX_EP_GROUPED, the expert-parallel transport's expert MLPs on those kernels instead of batched einsums
+over its capacity buffers (`grouped.swiglu_kept_rows`). On
 several GPUs each kernel runs per device: its caller wraps it in shard_map over the batch shards
 (`parallel.backends`: the local MoE backend, and `attention_kernel`), since a custom call left to GSPMD would
 run replicated (the train loop's steps are tested for it: tests/test_local_data_parallel.py).
@@ -108,6 +110,13 @@ def chosen(env_var: str, impl: str):
             os.environ[env_var] = before
 
 
+def vma_checked(op: tuple[str, str]) -> bool:
+    """Whether a shard_map around `op` may keep its varying-axes check: not when `op`'s kernel runs through the
+    Pallas interpreter (CPU tests), which slices blocks with unvarying grid indices that the check rejects (jax
+    0.10.2 and 0.11.2). Unchecked, shard_map's transpose sums the cotangents of replicated inputs itself."""
+    return not (kernel_impl(*op) == "gpu_kernel" and run_interpreted())
+
+
 def run_interpreted() -> bool:
     """Whether a chosen GPU kernel runs through the Pallas interpreter: off GPU (CPU tests, or a user who
     sets gpu_kernel on CPU: same values, slowly), unless `targeting_gpu`."""
@@ -120,8 +129,11 @@ GROUPED = ("MOEJAX_GROUPED", "grouped GEMM")
 NEWTON_SCHULZ = ("MOEJAX_NS", "Newton-Schulz")  # the optimizer's (train.ns_gpu), on one device by default
 # The grouped GEMM's row gathers inside its kernels (on with MOEJAX_GROUPED's kernels only); not yet timed.
 GROUPED_ROWS = ("MOEJAX_GROUPED_ROWS", "grouped GEMM row gathers")
-KERNEL_OPS = (ATTENTION, GROUPED, NEWTON_SCHULZ, GROUPED_ROWS)
-OPT_IN = {GROUPED_ROWS[0]}  # unset: XLA, on a GPU too
+# The expert-parallel transport's expert MLPs on the grouped kernels, its received rows read in place and its
+# capacity buffers' empty rows skipped (`parallel.expert_parallel`); not yet timed.
+EP_GROUPED = ("MOEJAX_EP_GROUPED", "expert-parallel expert GEMMs")
+KERNEL_OPS = (ATTENTION, GROUPED, NEWTON_SCHULZ, GROUPED_ROWS, EP_GROUPED)
+OPT_IN = {GROUPED_ROWS[0], EP_GROUPED[0]}  # unset: XLA, on a GPU too
 
 
 def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ...] | None = None) -> None:
@@ -136,9 +148,9 @@ def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ..
     if model is None:
         return
     problems = {}
-    if kernel_impl(*GROUPED) == "gpu_kernel":
-        problems[GROUPED[0]] = grouped_gpu.shape_problem(grouped_gpu.MIN_TILE, model.latent_width,
-                                                         model.expert_width)
+    for op in (GROUPED, EP_GROUPED):
+        if kernel_impl(*op) == "gpu_kernel":
+            problems[op[0]] = grouped_gpu.shape_problem(grouped_gpu.MIN_TILE, model.latent_width, model.expert_width)
     if kernel_impl(*ATTENTION) == "gpu_kernel" and seq_len is not None:
         rows = (seq_len,) if isinstance(seq_len, int) else seq_len
         problems[ATTENTION[0]] = next(filter(None, (flash_gpu.shape_problem(s, model.n_heads, model.n_kv_heads,

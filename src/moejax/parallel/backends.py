@@ -30,13 +30,6 @@ from moejax.parallel.expert_parallel import routed_expert_parallel
 from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, FSDP_AXES, REPLICATED, ROUTED_EXPERT_FIELDS, batch_shards
 
 
-def _check_vma(op: tuple[str, str]) -> bool:
-    """shard_map's varying-axes check, on unless `op`'s kernel runs through the Pallas interpreter (CPU
-    tests): the interpreter slices blocks with unvarying grid indices, which the check rejects (jax 0.10.2
-    and 0.11.2). Unchecked, shard_map's transpose sums the cotangents of replicated inputs itself."""
-    return not (kernel_impl(*op) == "gpu_kernel" and kernel_choice.run_interpreted())
-
-
 def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ, *,
                                mesh: Mesh) -> tuple[jax.Array, DropStats]:
     """The dropless local path on each batch shard's own tokens (shard_map over BATCH_AXES), every shard
@@ -45,7 +38,7 @@ def routed_local_data_parallel(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w
     every token and run all of the grouped GEMMs (measured: the tiny preset on data=8 ran the full 47-block
     GEMMs on each of the 8 devices)."""
 
-    check = _check_vma(GROUPED)
+    check = kernel_choice.vma_checked(GROUPED)
 
     def body(z_TZ, expert_TK, weight_TK, mask_T, *w):
         # Weights varying over the batch axes: each shard's weight gradient is its own (the grouped GEMM's
@@ -74,7 +67,7 @@ def flash_per_batch_shard(q, k, v, segment_ids, scale: float, window: int | None
     BATCH_AXES; attention never mixes rows, and nothing here is a weight, so no collective either way)."""
     body = lambda q, k, v, s: flash_kernel(q, k, v, s, scale, window)
     return jax.shard_map(body, mesh=mesh, in_specs=(BATCH_SPEC,) * 4, out_specs=BATCH_SPEC,
-                         check_vma=_check_vma(ATTENTION))(q, k, v, segment_ids)
+                         check_vma=kernel_choice.vma_checked(ATTENTION))(q, k, v, segment_ids)
 
 
 def attention_kernel(mesh: Mesh) -> KernelFn:

@@ -46,7 +46,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
+from moejax.model.kernel_choice import EP_GROUPED, kernel_impl, vma_checked
 from moejax.model.moe.experts import expert_mlp_batched
+from moejax.model.moe.grouped import swiglu_kept_rows
 from moejax.model.moe.layer import SAVE_DISPATCH, SAVE_RETURN, DropStats
 from moejax.parallel.mesh import BATCH_AXES, BATCH_SPEC, EXPERT_AXIS, EXPERTS_SPEC, REPLICATED, batch_shards
 from moejax.parallel.transport_ops import combine_rows, gather_rows, rank_in_groups
@@ -184,6 +186,37 @@ def _receiver_plan(ids_XP: Int[Array, "X P"], local_experts: int, capacity: int,
 
 
 # ---- one wave: exchange, expert compute, return ----------------------------------------------------
+def _unvarying(x, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes among `axes` over which x does not vary (inside a checked shard_map)."""
+    return tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+
+
+def _expert_compute(payload_NZ: Float[Array, "N Z"], plan: ReceiverPlan, w_gate_EZF, w_up_EZF, w_down_EFZ,
+                    cap: int) -> Float[Array, "N Z"]:
+    """Each kept received row's SwiGLU with its local expert's weights, in received-row order; 0 for the rows
+    not kept (empty or dropped). Rematerialised in the backward pass from what is kept per wave.
+    - Default: gather the kept rows into [E_loc, R, Z] capacity buffers, batched einsums over every slot (empty
+      ones too), gather back. Only the buffers (and the weights) are kept.
+    - MOEJAX_EP_GROUPED=gpu_kernel (opt-in until a GPU has timed it): the grouped GEMM kernels read the received
+      rows in place and compute only the kept ones (`grouped.swiglu_kept_rows`); nothing but the received
+      block (kept anyway) and the row layout is kept. Same values up to the summation order."""
+    local_experts = w_gate_EZF.shape[0]
+    if kernel_impl(*EP_GROUPED) == "gpu_kernel":
+        expert_N = jnp.where(plan.row_kept_N, plan.row_slot_N // cap, local_experts).astype(jnp.int32)
+        ws = (w_gate_EZF, w_up_EZF, w_down_EFZ)
+        if vma_checked(EP_GROUPED):
+            # The kernels' weight gradients vary over the batch axes, as the rows do; the cast's transpose sums
+            # them over the shards that share these experts (the einsums' autodiff does that by itself).
+            ws = [jax.lax.pcast(w, _unvarying(w, BATCH_AXES), to="varying") for w in ws]
+        return jax.checkpoint(swiglu_kept_rows)(payload_NZ, expert_N, *ws)
+    x_ERZ = gather_rows(payload_NZ, plan.slot_row_ER, plan.slot_valid_ER, plan.row_slot_N[:, None],
+                        plan.row_kept_N[:, None])
+    y_ERZ = jax.checkpoint(expert_mlp_batched)(x_ERZ.reshape(local_experts, cap, -1), w_gate_EZF, w_up_EZF,
+                                               w_down_EFZ)
+    return gather_rows(y_ERZ.reshape(local_experts * cap, -1), plan.row_slot_N, plan.row_kept_N,
+                       plan.slot_row_ER[:, None], plan.slot_valid_ER[:, None])
+
+
 def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSizes, wave: int):
     n_shards, pool, width = send_XPZ.shape
     local_experts, m, cap = w_gate_EZF.shape[0], sizes.header_rows, sizes.recv_capacity
@@ -194,13 +227,7 @@ def _wave(send_XPZ, ids_XP, w_gate_EZF, w_up_EZF, w_down_EFZ, sizes: TransportSi
     rotation = (jax.lax.axis_index(EXPERT_AXIS) + wave) % n_shards
     plan = materialized(_receiver_plan(_decode_header(recv_XYZ[:, :m], sizes), local_experts, cap, rotation))
     payload_NZ = recv_XYZ[:, m:].reshape(n_shards * pool, width)
-    x_ERZ = gather_rows(payload_NZ, plan.slot_row_ER, plan.slot_valid_ER, plan.row_slot_N[:, None],
-                       plan.row_kept_N[:, None])
-    # Rematerialised in the backward pass: only x_ERZ (and the weights) are kept per wave.
-    y_ERZ = jax.checkpoint(expert_mlp_batched)(x_ERZ.reshape(local_experts, cap, width), w_gate_EZF, w_up_EZF,
-                                               w_down_EFZ)
-    ret_NZ = gather_rows(y_ERZ.reshape(-1, width).astype(dtype), plan.row_slot_N, plan.row_kept_N,
-                         plan.slot_row_ER[:, None], plan.slot_valid_ER[:, None])
+    ret_NZ = _expert_compute(payload_NZ, plan, w_gate_EZF, w_up_EZF, w_down_EFZ, cap).astype(dtype)
     kept_XP = plan.row_kept_N.reshape(n_shards, pool).astype(jnp.int32)
     back_XYZ = jnp.concatenate([_encode_header(kept_XP, sizes, width, dtype), ret_NZ.reshape(n_shards, pool, width)],
                                axis=1)
@@ -256,7 +283,7 @@ def routed_expert_parallel_debug(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF,
     body = partial(_shard_body, sizes=sizes, waves=waves, n_shards=n_shards)
     tok, exp = BATCH_SPEC, EXPERTS_SPEC
     fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, exp, exp, exp),
-                       out_specs=(tok, REPLICATED, tok))
+                       out_specs=(tok, REPLICATED, tok), check_vma=vma_checked(EP_GROUPED))
     return fn(z_TZ, expert_TK, weight_TK, mask_T, w_gate_EZF, w_up_EZF, w_down_EFZ)
 
 

@@ -55,7 +55,7 @@ from jaxtyping import Array, Float, Int
 
 from moejax.config import ConfigError
 from moejax.model import kernel_choice
-from moejax.model.kernel_choice import GROUPED, GROUPED_ROWS, kernel_impl
+from moejax.model.kernel_choice import EP_GROUPED, GROUPED, GROUPED_ROWS, kernel_impl
 from moejax.model.layers import pytree_dataclass, swiglu_act
 from moejax.model.moe import grouped_gpu
 
@@ -174,16 +174,16 @@ def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Ar
     return gather_rows(y_BkbZ.reshape(-1, y_BkbZ.shape[-1]), layout.slot_A, layout.row_Pd[:, None])
 
 
-def _kernel(block: int, w_EZF) -> dict | None:
+def _kernel(block: int, w_EZF, env_var: str = GROUPED[0]) -> dict | None:
     """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, by the
     `kernel_choice` rule) on blocks of `block` rows, else None. Off GPU a chosen kernel runs interpreted. A
-    shape the kernels can't take is an error, not a quiet fall back to the einsums."""
-    if not _kernel_chosen():
+    shape the kernels can't take is an error naming `env_var`, not a quiet fall back to the einsums."""
+    if env_var == GROUPED[0] and not _kernel_chosen():
         return None
     problem = grouped_gpu.shape_problem(block, *w_EZF.shape[1:])
     if problem:
         raise ConfigError(f"the grouped-GEMM GPU kernel can't take this model: {problem} (latent_width and "
-                          f"expert_width must be multiples of {grouped_gpu.MIN_TILE}); set MOEJAX_GROUPED=xla")
+                          f"expert_width must be multiples of {grouped_gpu.MIN_TILE}); set {env_var}=xla")
     return dict(interpret=kernel_choice.run_interpreted())
 
 
@@ -329,12 +329,47 @@ def swiglu_rows(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF: Floa
         x_BkbZ = to_blocks(x_NZ, layout, rows_per_source)
         return from_blocks(swiglu_blocks(x_BkbZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ), layout)
     interpret = _kernel(layout.block, w_gate_EZF)["interpret"]
+    return _swiglu_in_kernels(x_NZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ, rows_per_source, interpret)
+
+
+def _swiglu_in_kernels(x_NZ: Float[Array, "N Z"], layout: BlockLayout, w_gate_EZF, w_up_EZF, w_down_EFZ,
+                       rows_per_source: int, interpret: bool) -> Float[Array, "A Z"]:
+    """`swiglu_rows` on the GPU kernels with the rows read and written in place (row maps): gate and up as one
+    matmul of the source rows, then the down projection of the activation written to the assignment rows."""
     src_Pd, dst_Pd = row_maps(layout, rows_per_source)
     e, c = layout.expert_Bk, layout.blocks_E
     gu_Bkb2F = _rows_matmul(x_NZ, jnp.concatenate([w_gate_EZF, w_up_EZF], axis=-1), src_Pd, dst_Pd, e, c,
                             rows_per_source, False, interpret)
     gu_Bkb2F = gu_Bkb2F.reshape(layout.n_blocks, layout.block, 2, -1)
     return _swiglu_down_to(gu_Bkb2F, w_down_EFZ, e, c, dst_Pd, layout.slot_A.shape[0], interpret)
+
+
+def skipping_layout(expert_N: Int[Array, "N"], n_experts: int, block_size: int | None = None) -> BlockLayout:
+    """`make_layout` for rows of which some are to be skipped: expert_N[n] == n_experts (one past the last)
+    marks row n as no expert's. Those rows sort after every expert's blocks, into blocks the layout counts as
+    its unused tail (blocks_E covers the real experts only), which the GPU kernels don't compute but still
+    store, as zeros, through the row maps: so a skipped row's result (and, in the backward, its input
+    gradient) is exactly 0, with no extra pass. For the kernels only: XLA's block einsums compute the tail."""
+    b = block_size or default_block(expert_N.shape[0], n_experts + 1, grouped_gpu.MIN_TILE)
+    lay = make_layout(expert_N, n_experts + 1, b)
+    return BlockLayout(row_Pd=lay.row_Pd, slot_A=lay.slot_A, expert_Bk=jnp.minimum(lay.expert_Bk, n_experts - 1),
+                       blocks_E=lay.blocks_E[:n_experts])
+
+
+def swiglu_kept_rows(x_NZ: Float[Array, "N Z"], expert_N: Int[Array, "N"], w_gate_EZF: Float[Array, "E Z F"],
+                     w_up_EZF: Float[Array, "E Z F"], w_down_EFZ: Float[Array, "E F Z"],
+                     block_size: int | None = None) -> Float[Array, "N Z"]:
+    """Row n's SwiGLU with the weights of expert expert_N[n], or 0 where expert_N[n] == E (no expert's), on the
+    GPU kernels (interpreted off GPU) with the rows read and written in place (`skipping_layout`). The
+    expert-parallel transport's expert compute (MOEJAX_EP_GROUPED): its received rows straight from the
+    all-to-all's buffer, computing only the rows it keeps, where batched einsums over [E, R, Z] capacity
+    buffers compute every slot, empty or not (at cf_recv 1.15 about 13% of them on balanced loads), between
+    a gather into the buffers and one back."""
+    if x_NZ.shape[0] == 0:
+        return jnp.zeros((0, w_down_EFZ.shape[-1]), x_NZ.dtype)
+    layout = skipping_layout(expert_N, w_gate_EZF.shape[0], block_size)
+    interpret = _kernel(layout.block, w_gate_EZF, EP_GROUPED[0])["interpret"]
+    return _swiglu_in_kernels(x_NZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ, 1, interpret)
 
 
 def grouped_matmul(x_AZ: Float[Array, "A Z"], expert_A: Int[Array, "A"], w_EZF: Float[Array, "E Z F"],
