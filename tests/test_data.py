@@ -24,7 +24,7 @@ from moejax.data.store import StoreError, StoreWriter, open_store, sha256_file
 from moejax.data.tokenizer import Tokenizer
 
 DOCS_A = ["In the beginning was the word.", "Ünïcödé — ok ✓ 中文", "line one\nline two\n\n  spaced  "]
-DOCS_B = ["{\"json\": inside}", "tabs\tand\r\nCRLF", "x" * 500 + " ".join(f"w{i * 7919 % 1000}" for i in range(80))]
+DOCS_B = ["{\"json\": inside} and a page quoting <|endoftext|> as text", "tabs\tand\r\nCRLF", "x" * 500 + " ".join(f"w{i * 7919 % 1000}" for i in range(80))]
 
 
 @pytest.fixture
@@ -54,6 +54,7 @@ def test_round_trip_text_tokens_text(corpus, tmp_path, capsys):
         assert src.n_docs == len(docs) and src.tokens.dtype == np.uint16
         assert [tok.decode(src.document(i).tolist(), skip_special_tokens=False) for i in range(src.n_docs)] == docs
         assert (src.tokens[src.doc_offsets[1:] - 1] == store.eos_id).all()  # EOS closes every document
+        assert int((src.tokens == store.eos_id).sum()) == src.n_docs  # and is nowhere else, even where quoted
     # bytes per token counts every text byte exactly once (byte-level BPE)
     m = json.loads((out / "manifest.json").read_text())
     for name in ("a", "b"):
@@ -189,7 +190,7 @@ def test_parquet_source(tmp_path):
 
 @pytest.mark.parametrize("sets, words", [
     (["model.vocab_size=100"], "(320 ids) but model.vocab_size is 100"),
-    (["data.weights=a=0"], "data.weights: 'a' has 0.0; every value must be a finite number > 0"),
+    (["data.weights=a=0"], "data.weights: 'a' has 0.0; every value must be a number > 0 and <= 1e+15"),
     (["data.weights=a=1,zz=2"], "data.weights names 'zz', not in the store (sources: a, b)"),
     (["data.max_epochs=b=-2"], "data.max_epochs: 'b' has -2.0"),
     (["STORE=nowhere"], "is not a token store (no manifest.json)"),
@@ -213,6 +214,37 @@ def test_check_errors_are_one_line_exit_2(sets, words, corpus, tmp_path, capsys)
     else:
         argv += [a for s in sets if not s.startswith("STORE") for a in ("--set", s)]
     assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+
+
+def _edit_manifest(store: Path, edit):
+    m = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps(edit(m)))
+
+
+def _drop_eos_id(m):
+    del m["tokenizer"]["eos_id"]
+    return m
+
+
+DAMAGED_STORES = [  # found by a fuzzer (docs/LOG.md, thirty-fifth session): each was a traceback or a wrong error
+    (lambda s: (s / "a" / "tokens.npy").write_bytes(b""), "a/tokens.npy is unreadable"),
+    (lambda s: _edit_manifest(s, lambda m: []), "manifest.json: format 'a JSON list', expected"),
+    (lambda s: _edit_manifest(s, _drop_eos_id), "manifest.json is damaged: field 'eos_id' is missing or malformed"),
+    (lambda s: _edit_manifest(s, lambda m: {**m, "sources": {}}), "manifest.json lists no sources"),
+    (lambda s: np.save(s / "a" / "tokens.npy", np.load(s / "a" / "tokens.npy").astype(np.float32)),
+     "a/tokens.npy holds float32, the manifest says uint16"),
+]
+
+
+@pytest.mark.parametrize("damage, words", DAMAGED_STORES)
+def test_a_damaged_store_is_one_line(damage, words, corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert _prepare_cli(corpus, out) == 0
+    damage(out)
+    capsys.readouterr()
+    assert main(["data", "check", "--set", f"data.store={out}", "--set", "train.seq_len=16"]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
 

@@ -213,6 +213,16 @@ def test_a_whitespace_only_line_separates_paragraphs(tmp_path):
     assert docs == ["first", "second", "third"]
 
 
+@pytest.mark.parametrize("eol", ["\r\n", "\r"], ids=["crlf", "cr"])
+def test_paragraphs_split_in_any_line_ending(eol, tmp_path):
+    """A CRLF (or old-Mac CR) file splits at its blank lines as an LF file does (it was one document); one
+    line break inside a paragraph stays one, its CR included."""
+    text = f"first{eol}still first{eol}{eol}second{eol} \t{eol}third{eol}"
+    (tmp_path / "p.txt").write_bytes(text.encode())
+    docs = list(read_documents(str(tmp_path / "p.txt"), ReadOptions(split="paragraph")))
+    assert docs == [f"first{eol}still first", "second", "third"]
+
+
 def test_bytes_per_token_of_a_non_byte_level_tokenizer_counts_utf8_bytes():
     """Bits per byte needs each id's UTF-8 byte count; for a tokenizer.json that is not byte-level BPE it is the
     encoded length of the id's text (é is 2 bytes, not 1 character), specials 0."""

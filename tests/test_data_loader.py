@@ -124,6 +124,18 @@ def test_same_seed_step_same_batch_across_restarts_prefetch_and_processes():
     assert not np.array_equal(other_seed.train.batch(0)["tokens"], ref.train.batch(0)["tokens"])
 
 
+@pytest.mark.parametrize("eval_rows", [6, 2])
+def test_eval_rows_that_processes_cant_share_are_refused(eval_rows):
+    """Train rows must divide over the processes; eval rows too: 6 over 4 processes read 4 rows between them,
+    2 over 4 failed inside numpy."""
+    c = cfg()
+    c = replace(c, train=replace(c.train, eval_batch_size=eval_rows))
+    with pytest.raises(ConfigError, match=f"{eval_rows} eval rows are not divisible by the process count \\(4\\)"):
+        make_data(c, store=synthetic_store(), process_index=0, process_count=4)
+    assert make_data(c, store=synthetic_store(), process_index=0, process_count=2).eval.batch(0)["tokens"].shape[0] \
+        == eval_rows // 2
+
+
 def _same(a, b):
     assert a.keys() == b.keys()
     for k in a:

@@ -271,6 +271,11 @@ class ParallelConfig:
         return self.resolved_backend == "ep"
 
 
+# Mixture weights are relative and caps count epochs: anything larger is a typo, and 1e303 overflowed to inf in
+# the integer apportionment (an OverflowError mid-run, not a config error).
+MAX_NAMED_VALUE = 1e15
+
+
 def _parse_named(field_name: str, text: str, allow_bare: bool = False) -> dict[str, float]:
     """`a=0.7,b=0.3` -> {"a": 0.7, "b": 0.3}; with allow_bare a single number means "every source" ("*")."""
     out: dict[str, float] = {}
@@ -282,8 +287,8 @@ def _parse_named(field_name: str, text: str, allow_bare: bool = False) -> dict[s
             value = float(raw)
         except ValueError:
             raise ConfigError(f"data.{field_name} item {item!r}: {raw!r} is not a number") from None
-        _require(value > 0 and math.isfinite(value),
-                 f"data.{field_name}: {name!r} has {value}; every value must be a finite number > 0")
+        _require(0 < value <= MAX_NAMED_VALUE,
+                 f"data.{field_name}: {name!r} has {value}; every value must be a number > 0 and <= {MAX_NAMED_VALUE:g}")
         _require(name not in out, f"data.{field_name}: source {name!r} is listed twice")
         out[name] = value
     return out

@@ -128,6 +128,9 @@ def make_data(run_cfg: RunConfig, *, process_index: int = 0, process_count: int 
     sources = tuple(store.sources[n] for n in names)
     cuts = [s.heldout_cut(d.heldout_fraction) for s in sources]
     schedule = ContextSchedule.from_config(t, d, process_count, run_cfg.parallel)
+    if t.eval_batches and t.eval_rows % process_count:  # each process reads its own equal share of the rows
+        raise ConfigError(f"train.eval_batch_size: {t.eval_rows} eval rows are not divisible by the process count "
+                          f"({process_count}); set it to a multiple")
     phases = _phases(d, t.steps, names, [c - 1 for c in cuts])
     caps = {names.index(n): c for n, c in _caps(d, names).items()}
     used = sorted({k for _, w in phases for k in w})

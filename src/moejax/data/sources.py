@@ -125,13 +125,19 @@ def _decode(path: str, data: bytes, errors: str, line: int | None = None) -> str
                           "fix the encoding or pass --utf8-errors replace") from None
 
 
+# A blank line (spaces or tabs allowed) in any line-ending convention: a CRLF file was one document. A lone CR
+# only where no LF follows, so that one CRLF is one line break, not two.
+_NEWLINE = r"(?:\r\n|\n|\r(?!\n))"
+PARAGRAPH_BREAK = re.compile(_NEWLINE + r"[ \t]*" + _NEWLINE)
+
+
 def _split_text(text: str, split: str) -> Iterator[str]:
     if split == "file":
         yield text
     elif split == "line":
         yield from text.splitlines()
     else:
-        yield from (p.strip("\n") for p in re.split(r"\n[ \t]*\n", text))
+        yield from (p.strip("\r\n") for p in PARAGRAPH_BREAK.split(text))
 
 
 def _read_jsonl(path: str, opts: ReadOptions) -> Iterator[str]:

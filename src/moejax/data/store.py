@@ -255,15 +255,24 @@ def open_store(path: str, verify: bool = False) -> Store:
         m = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise StoreError(f"{mpath} is not valid JSON ({e.msg})") from None
-    if m.get("format") != FORMAT:
-        raise StoreError(f"{mpath}: format {m.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        found = m.get("format") if isinstance(m, dict) else f"a JSON {type(m).__name__}"
+        raise StoreError(f"{mpath}: format {found!r}, expected {FORMAT!r}")
+    try:  # a hand-edited or damaged manifest: one line naming it, not a KeyError
+        vocab, eos = int(m["tokenizer"]["vocab_size"]), int(m["tokenizer"]["eos_id"])
+        spec, listed, dtype = str(m["tokenizer"]["spec"]), dict(m["sources"]), np.dtype(m["dtype"])
+        for info in listed.values():
+            int(info["tokens"]), int(info["documents"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreError(f"{mpath} is damaged: field {e} is missing or malformed; prepare the store again") from None
+    if not listed:
+        raise StoreError(f"{mpath} lists no sources; prepare the store again")
     verified = _verify_checksums(root, m) if verify else 0
-    vocab, eos = int(m["tokenizer"]["vocab_size"]), int(m["tokenizer"]["eos_id"])
     bpt = _load(root / "bytes_per_token.npy")
     if bpt.shape != (vocab,):
         raise StoreError(f"{root}/bytes_per_token.npy has shape {bpt.shape}, expected ({vocab},)")
-    sources = {name: _open_source(root, name, info, vocab, verify) for name, info in m["sources"].items()}
-    return Store(str(root), m["tokenizer"]["spec"], vocab, eos, np.asarray(bpt, np.int32), sources, m, verified)
+    sources = {name: _open_source(root, name, info, vocab, verify, dtype) for name, info in listed.items()}
+    return Store(str(root), spec, vocab, eos, np.asarray(bpt, np.int32), sources, m, verified)
 
 
 def _load(path: Path) -> np.ndarray:
@@ -271,13 +280,15 @@ def _load(path: Path) -> np.ndarray:
         raise StoreError(f"store file {path} is missing")
     try:
         return np.load(path, mmap_mode="r")
-    except ValueError as e:
-        raise StoreError(f"store file {path} is unreadable ({e})") from None
+    except (ValueError, EOFError, OSError) as e:  # EOFError: an empty (truncated) file
+        raise StoreError(f"store file {path} is unreadable ({e or type(e).__name__})") from None
 
 
-def _open_source(root: Path, name: str, info: dict, vocab: int, verify: bool) -> SourceTokens:
+def _open_source(root: Path, name: str, info: dict, vocab: int, verify: bool, dtype: np.dtype) -> SourceTokens:
     toks, offs = _load(root / name / "tokens.npy"), _load(root / name / "doc_offsets.npy")
     n_tok, n_docs = int(info["tokens"]), int(info["documents"])
+    if toks.dtype != dtype:  # e.g. rewritten as floats: the ids would be cast silently
+        raise StoreError(f"store file {root / name / 'tokens.npy'} holds {toks.dtype}, the manifest says {dtype}")
     if toks.shape != (n_tok,) or offs.shape != (n_docs + 1,) or offs[0] != 0 or offs[-1] != n_tok:
         raise StoreError(f"source {name!r} in {root}: arrays ({toks.shape[0]} tokens, {offs.shape[0] - 1} docs) "
                          f"disagree with the manifest ({n_tok} tokens, {n_docs} docs)")

@@ -94,6 +94,10 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` with the few calls the pipeline needs (batch encode runs on Rust threads)."""
 
     def __init__(self, tok: Tokenizer, spec: str):
+        # A document's text is text: without this, tokenizers matches its special tokens inside the text (even
+        # with add_special_tokens=False), so a web page quoting "<|endoftext|>" got the EOS id mid-document:
+        # a false document boundary to nothing, 0 bytes counted for 13 (tiktoken's encode_ordinary never did).
+        tok.encode_special_tokens = True
         self.tok, self.spec = tok, spec
         self.vocab_size = tok.get_vocab_size()
         eos = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
