@@ -24,7 +24,8 @@ from moejax.data.store import StoreError, StoreWriter, open_store, sha256_file
 from moejax.data.tokenizer import Tokenizer
 
 DOCS_A = ["In the beginning was the word.", "Ünïcödé — ok ✓ 中文", "line one\nline two\n\n  spaced  "]
-DOCS_B = ["{\"json\": inside} and a page quoting <|endoftext|> as text", "tabs\tand\r\nCRLF", "x" * 500 + " ".join(f"w{i * 7919 % 1000}" for i in range(80))]
+DOCS_B = ["{\"json\": inside} and a page quoting <|endoftext|> as text",  # the EOS token's text is text
+          "tabs\tand\r\nCRLF", "x" * 500 + " ".join(f"w{i * 7919 % 1000}" for i in range(80))]
 
 
 @pytest.fixture

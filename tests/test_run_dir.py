@@ -3,6 +3,7 @@ moejax run), one trainer per run dir (flock), torn metrics lines, unreadable sum
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,6 +61,23 @@ def test_a_config_json_that_is_not_a_runs_is_refused_without_offering_overwrite(
         prepare_run_dir(export, CFG, overwrite=False)
     assert "--overwrite" not in str(err.value)
     assert json.loads((export / "config.json").read_text())["format"] == "moejax-export/1"
+
+
+@pytest.mark.parametrize("left", ["checkpoints", "metrics.jsonl"])
+def test_a_run_without_its_config_json_is_not_started_over_in_place(left, tmp_path):
+    """A run dir whose config.json is lost (or checkpoints restored without it) was taken for a new run: it
+    trained from step 0 into the old checkpoints and metrics, no --overwrite asked (found by a fuzzer, docs/LOG.md
+    thirty-fifth session). Now one line, nothing touched; --overwrite still starts it over."""
+    run = tmp_path / "run"
+    _fake_run(run)
+    (run / "config.json").unlink()
+    if left == "metrics.jsonl":
+        shutil.rmtree(run / "checkpoints")
+    before = sorted(p.name for p in run.iterdir())
+    with pytest.raises(RunError, match=r"holds a run's checkpoints or metrics but no config.json: restore"):
+        prepare_run_dir(run, CFG, overwrite=False)
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert prepare_run_dir(run, CFG, overwrite=True) is False and (run / "config.json").exists()
 
 
 def test_overwrite_removes_only_what_moejax_wrote(tmp_path, capsys):

@@ -6,6 +6,7 @@ Two real tiny runs (tests/tiny_run.TRAIN_ARGS, plus one eval batch at start and 
 this process: a 2-step base, then copies of it rerun as finished and extended to 3 steps; the rest are unit
 tests without a compile."""
 
+import errno
 import json
 import os
 import shutil
@@ -319,6 +320,53 @@ def test_the_console_script_sets_up_host_memory_before_the_cli(monkeypatch):
 
 
 # ---- the CLI's exit codes -------------------------------------------------------------------------------
+def test_sigterm_on_a_permanent_step_keeps_its_checkpoint_permanent(base, tmp_path, monkeypatch, capsys):
+    """A preemption after a step that is due a permanent checkpoint (checkpoint_every=1: every step) saves it as
+    permanent: saved as temporary, it was deleted once the resumed run saved a newer one (found by a fuzzer,
+    docs/LOG.md thirty-fifth session)."""
+    run = _copy(base, tmp_path)
+    monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "3")
+    assert main(["train", "--run-dir", str(run), *BASE_ARGS, "--steps", "4"]) == 75
+    meta = json.loads((run / "checkpoints" / "step_00000003" / "metadata.json").read_text())
+    assert meta["kind"] == "permanent" and not meta["temporary"]
+    monkeypatch.delenv("MOEJAX_FAULT_SIGTERM_AT_STEP")
+    assert main(["train", "--run-dir", str(run), *BASE_ARGS, "--steps", "4"]) == 0
+    assert steps_on_disk(run) == [1, 2, 3, 4]
+    capsys.readouterr()
+
+
+def test_a_run_dir_that_fills_up_or_is_broken_is_one_line(base, tmp_path, monkeypatch, capsys):
+    """A full disk while metrics.jsonl is written mid-run, or a metrics.jsonl that is a directory, was a traceback
+    (exit 1; found by a fuzzer, docs/LOG.md thirty-fifth session): now one line, exit 2, the checkpoints kept."""
+    run = _copy(base, tmp_path)
+    real_log = MetricsWriter.log
+
+    def full_at_step_2(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        return real_log(self, step, metrics)
+
+    monkeypatch.setattr(MetricsWriter, "log", full_at_step_2)
+    assert main(["train", "--run-dir", str(run), *BASE_ARGS, "--steps", "4"]) == 2
+    err = _error_line(capsys.readouterr().err)
+    assert "cannot write to run dir" in err and "No space left on device" in err and "metrics.jsonl" in err, err
+    assert steps_on_disk(run) == [1, 2]
+    monkeypatch.undo()
+    broken = _copy(base, tmp_path / "b")
+    (broken / "metrics.jsonl").unlink()
+    (broken / "metrics.jsonl").mkdir()
+    assert main(["train", "--run-dir", str(broken), *BASE_ARGS, "--steps", "3"]) == 2
+    err = _error_line(capsys.readouterr().err)
+    assert "cannot write to run dir" in err and "Is a directory" in err, err
+
+
+def _error_line(err: str) -> str:
+    """The one error line of a failed command's stderr (beside its info lines), no traceback."""
+    errors = [line for line in err.splitlines() if line.startswith("moejax: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
 def test_sigterm_while_train_is_starting_exits_75_and_restores_the_handler(monkeypatch, capsys):
     """Before the trainer's own guard (imports, config, waiting for the coordinator): nothing to save, exit 75
     (the launcher requeues), not 143; the caller's SIGTERM handler is back afterwards."""

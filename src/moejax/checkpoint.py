@@ -415,10 +415,14 @@ class CheckpointManager:
 
     # -- policy
 
+    def permanent_at(self, step: int) -> bool:
+        """Whether `step` is one of the permanent checkpoints' steps (every `permanent_every`)."""
+        return step > 0 and step % self.permanent_every == 0
+
     def decide(self, step: int, now: float | None = None) -> str | None:
         """This process's policy decision (pure): "permanent", "temporary" or None."""
         now = self._clock() if now is None else now
-        if step > 0 and step % self.permanent_every == 0:
+        if self.permanent_at(step):
             return "permanent"
         if now - self._last_save_time >= self.temporary_every_s:
             return "temporary"

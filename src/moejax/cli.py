@@ -7,7 +7,8 @@
   moejax export RUN_DIR --out DIR                    weights as safetensors + config + tokenizer
 
 User errors (bad config, preset, run dir) print one line `moejax: error: ...` and exit 2.
-SIGTERM/SIGINT during training: the step finishes, a temporary checkpoint is written, exit 75 (EX_TEMPFAIL);
+SIGTERM/SIGINT during training: the step finishes, a checkpoint is written (temporary, or permanent on a step due
+one), exit 75 (EX_TEMPFAIL);
 before the first step (start-up, waiting for peers, restore) there is nothing new to save: exit 75 at once.
 Running the same command again resumes from the newest complete checkpoint. In a multi-process run, a
 collective that fails because another process is gone also exits 75, at once, in one line.

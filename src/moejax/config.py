@@ -287,8 +287,8 @@ def _parse_named(field_name: str, text: str, allow_bare: bool = False) -> dict[s
             value = float(raw)
         except ValueError:
             raise ConfigError(f"data.{field_name} item {item!r}: {raw!r} is not a number") from None
-        _require(0 < value <= MAX_NAMED_VALUE,
-                 f"data.{field_name}: {name!r} has {value}; every value must be a number > 0 and <= {MAX_NAMED_VALUE:g}")
+        _require(0 < value <= MAX_NAMED_VALUE, f"data.{field_name}: {name!r} has {value}; every value must be a "
+                                               f"number > 0 and <= {MAX_NAMED_VALUE:g}")
         _require(name not in out, f"data.{field_name}: source {name!r} is listed twice")
         out[name] = value
     return out

@@ -27,7 +27,8 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, wandb_mode: str = "offline", project: str = "moejax",
                  run_name: str | None = None, config: dict | None = None, primary: bool = True):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._f = open(self.path, "ab") if primary else None
+        # Unbuffered: a write that fails (a full disk) leaves nothing queued for close() to fail on again.
+        self._f = open(self.path, "ab", buffering=0) if primary else None
         self._wandb = None
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         if primary and mode != "disabled":
@@ -42,8 +43,7 @@ class MetricsWriter:
             self._f.write(line[: len(line) // 2])
             self._f.flush()
             faults.kill_now()
-        self._f.write(line)  # one write of one whole line: only a crash inside it tears a line
-        self._f.flush()
+        _write_all(self._f, line)  # one whole line: only a crash (or a full disk) inside it tears a line
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if not isinstance(v, list)}, step=int(step))
 
@@ -58,6 +58,13 @@ class MetricsWriter:
             self._f.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _write_all(f, data: bytes) -> None:
+    """All of `data` to the unbuffered file f (a raw write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
 
 
 def check_wandb(mode: str) -> None:

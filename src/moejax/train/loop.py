@@ -15,6 +15,7 @@ exits 75 at once, a signal after the first step finishes the step and saves firs
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import sys
@@ -53,7 +54,8 @@ from moejax.xla_flags import step_compiler_options
 
 
 class Preempted(RuntimeError):
-    """SIGTERM/SIGINT: the current step finished and a temporary checkpoint was written."""
+    """SIGTERM/SIGINT: the current step finished and a checkpoint was written (temporary, unless the step was due a
+    permanent one)."""
 
     exit_code = EXIT_PREEMPTED
 
@@ -85,6 +87,11 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
                             "run the same command again to resume") from None
 
 
+# A run dir that can't be written (full, over quota, read-only, not ours, a file where a dir should be): a user's
+# problem, one line.
+RUN_DIR_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR)
+
+
 def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGuard) -> dict:
     enable_compile_cache()  # a restart loads the compiled step instead of compiling it again
     mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
@@ -104,6 +111,12 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
         except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
             raise RunError(str(e)) from None
+        except OSError as e:  # the same for run_info.json or metrics.jsonl; other OSErrors (a lost peer) go on
+            if e.errno not in RUN_DIR_ERRNOS:
+                raise
+            where = f" ({e.filename})" if e.filename else ""
+            raise RunError(f"cannot write to run dir {run_dir}: {e.strerror or e}{where}; the last complete "
+                           "checkpoint stays: fix it and run the same command again") from None
         finally:
             data.close()
     finally:
@@ -307,7 +320,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             saved["data_step"] = step + 1
             profiler.end(step)  # the step is done (a preemption's save below is in a trace still running)
             if not last and guard.stop_requested():  # in the last step: finish as usual (final save, summary)
-                save(step + 1, "temporary")
+                # a step due a permanent checkpoint keeps it permanent: a temporary one would be deleted once a
+                # newer checkpoint exists, and the run would lose one of its permanent steps
+                save(step + 1, "permanent" if s.ckpt.permanent_at(step + 1) else "temporary")
                 s.ckpt.wait()
                 raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
                                 "run the same command again to resume")

@@ -70,8 +70,11 @@ class RunLock:
         except OSError as e:
             raise RunError(f"cannot lock run dir {self.run_dir}: {e.strerror or e}") from None
         me = f"PID {os.getpid()} on host {socket.gethostname()}"
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, (me + "\n").encode(), 0)
+        try:  # the holder's name only informs a second trainer's error; a full disk fails the run elsewhere
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, (me + "\n").encode(), 0)
+        except OSError:
+            pass
         return self
 
     def _try_lock(self) -> bool:
@@ -166,8 +169,16 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: boo
             raise RunError(f"run dir {run_dir} has an unreadable config.json; pass --overwrite to start it over")
         same_data = data is not None and check_same_data(run_dir, data)
         _check_same_run(run_dir, old, cfg.to_dict(), store_may_move=same_data)
-        atomic_write(cfg_path, cfg.to_json())  # records the mesh (and steps) this restart runs with
+        try:
+            atomic_write(cfg_path, cfg.to_json())  # records the mesh (and steps) this restart runs with
+        except OSError as e:
+            raise RunError(f"cannot write to run dir {run_dir}: {e.strerror or e}") from None
         return True
+    if not overwrite and run_dir.is_dir() and (list_checkpoints(run_dir) or (run_dir / "metrics.jsonl").exists()):
+        # config.json is written before anything else, so its loss (or checkpoints restored without it) must not
+        # make the run a new one that trains from step 0 into the old run's checkpoints and metrics
+        raise RunError(f"run dir {run_dir} holds a run's checkpoints or metrics but no config.json: restore its "
+                       "config.json to resume, or pass --overwrite to start it over")
     try:
         if run_dir.exists() and overwrite and (kept := clear_run_dir(run_dir)):
             print(f"moejax: --overwrite kept {len(kept)} entr{'y' if len(kept) == 1 else 'ies'} moejax did not "
