@@ -95,6 +95,18 @@ def test_sigterm_before_the_first_step_exits_75(tmp_path, cache):
     assert list_checkpoints(run) == [] and not (run / ".lock").exists()
 
 
+def test_sigterm_while_the_command_imports_jax_exits_75(tmp_path, cache):
+    """The `moejax` command's import of the CLI (jax, ~1 s) came before any handler: a SIGTERM there exited 143,
+    which a launcher that requeues on 75 would not requeue (found by a fuzzer, docs/LOG.md thirty-fifth session)."""
+    env = {**bench_module("fault_injection").env(cache), "MOEJAX_FAULT_SIGTERM_AT_IMPORT": "1"}
+    code = "import sys; from moejax.entry import main; sys.argv = ['moejax', *sys.argv[1:]]; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, "train", "--run-dir", str(tmp_path / "run"), *SMALL],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.strip() == "moejax: preempted (SIGTERM) while starting; nothing to save; run the same command again"
+    assert not (tmp_path / "run").exists()
+
+
 def test_sigterm_in_the_last_step_or_after_it_lets_the_run_finish(tmp_path, cache):
     """The run's work is done: a SIGTERM in the last step, or while the final checkpoint commits, ends it as
     usual (final checkpoint, summary, exit 0). It used to exit 75 with no summary, which no rerun could finish

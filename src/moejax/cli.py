@@ -373,6 +373,13 @@ def _raise_preempted(signum, frame) -> None:
     raise _PreemptedWhileStarting(signal.Signals(signum).name)
 
 
+def preempted_while_starting(signal_name: str) -> int:
+    """The one line and exit code of a `train` preempted before anything could be saved."""
+    print(f"moejax: preempted ({signal_name}) while starting; nothing to save; run the same command again",
+          file=sys.stderr)
+    return EXIT_PREEMPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     starting = (argv if argv is not None else sys.argv[1:])[:1] == ["train"]
     starting = starting and threading.current_thread() is threading.main_thread()
@@ -380,9 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except _PreemptedWhileStarting as e:
-        print(f"moejax: preempted ({e}) while starting; nothing to save; run the same command again",
-              file=sys.stderr)
-        return EXIT_PREEMPTED
+        return preempted_while_starting(str(e))
     finally:
         if starting:
             signal.signal(signal.SIGTERM, old)

@@ -5,11 +5,27 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
+from moejax import faults
 from moejax.hostmem import exec_with_host_memory
 
 
 def main() -> int:
     exec_with_host_memory()
-    from moejax.cli import main as cli_main
+    # `train` exits 75 on a SIGTERM before it has anything to save (`cli.main`), but importing the CLI (jax) takes
+    # ~1 s before that handler exists: a launcher's SIGTERM then killed it with 143, which it wouldn't requeue.
+    noted: list[int] = []
+    training = sys.argv[1:2] == ["train"]
+    if training:
+        signal.signal(signal.SIGTERM, lambda signum, frame: noted.append(signum))
+        if faults.sigterm_at_import():
+            faults.sigterm_now()
+    from moejax.cli import main as cli_main, preempted_while_starting
 
+    if training:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if noted:
+            return preempted_while_starting(signal.Signals(noted[0]).name)
     return cli_main()

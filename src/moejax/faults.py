@@ -9,6 +9,7 @@ that do nothing unless set. They make a crash land at an exact point that a time
       summary   the run ended at step STEP: final checkpoint committed, summary.json not yet written
   MOEJAX_FAULT_SIGTERM_AT_STEP=N        a real SIGTERM after step N (N >= 1) has run
   MOEJAX_FAULT_SIGTERM_BEFORE_STEP=1    a real SIGTERM during set-up, before the first step
+  MOEJAX_FAULT_SIGTERM_AT_IMPORT=1      a real SIGTERM while the `moejax` command imports the CLI (and jax)
   MOEJAX_FAULT_SIGTERM_AT_END=1         a real SIGTERM after the last step, while the final checkpoint commits
 """
 
@@ -36,6 +37,10 @@ def sigterm_at_step() -> int:
 
 def sigterm_before_step() -> bool:
     return os.environ.get("MOEJAX_FAULT_SIGTERM_BEFORE_STEP", "") == "1"
+
+
+def sigterm_at_import() -> bool:
+    return os.environ.get("MOEJAX_FAULT_SIGTERM_AT_IMPORT", "") == "1"
 
 
 def sigterm_at_end() -> bool:
