@@ -215,7 +215,7 @@ def format_lower(r: dict, hbm_bytes: float | None = None) -> str:
             f"{'in the scanned layer' if r['scan_layers'] else 'over the unrolled layers'}: W waves x "
             f"dispatch/return x forward/backward, + what the remat re-forward reruns with "
             f"train.remat_saves={r['remat_saves']}); "
-            f"{r['gpu_kernels']} fused GPU kernel calls (attention per batch shard); "
+            f"{r['gpu_kernels']} fused GPU kernel calls (each per batch shard); "
             f"num_partitions {r['num_partitions']}; platform {r['platform']}")
     if "compiled" not in r:
         return text + "; nothing compiled or allocated"
