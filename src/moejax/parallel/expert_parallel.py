@@ -19,7 +19,8 @@ data) group runs its own exchange):
    slot p+1 of any) so overflow is spread evenly over senders; inside a slot the source order starts at
    (slot + wave + receiving shard) % X, so ties at the cut-off do not always go against the same
    sender (SPEC §6). Rank >= R is a receiver drop. Compact to
-   [E_loc, R, Z], run the expert MLPs (rematerialised per wave), expand back. The return block again has
+   [E_loc, R, Z], run the expert MLPs (rematerialised per wave), expand back (or, MOEJAX_EP_GROUPED, run them
+   on the grouped kernels straight from the received rows, kept rows only). The return block again has
    M header rows, carrying the receiver's kept flag per slot: the sender learns exactly which rows were
    dropped (for the per-assignment keep mask); dropped rows come back as zeros.
 4. Combine: y[t] = sum_k w[t,k] * returned[row(t,k)] in fp32; each assignment lives in one wave, so the
@@ -198,8 +199,9 @@ def _expert_compute(payload_NZ: Float[Array, "N Z"], plan: ReceiverPlan, w_gate_
     - Default: gather the kept rows into [E_loc, R, Z] capacity buffers, batched einsums over every slot (empty
       ones too), gather back. Only the buffers (and the weights) are kept.
     - MOEJAX_EP_GROUPED=gpu_kernel (opt-in until a GPU has timed it): the grouped GEMM kernels read the received
-      rows in place and compute only the kept ones (`grouped.swiglu_kept_rows`); nothing but the received
-      block (kept anyway) and the row layout is kept. Same values up to the summation order."""
+      rows in place and compute only the kept ones (`grouped.swiglu_kept_rows`); only the received block
+      (kept anyway) and the rows' expert ids are kept, the row layout is rebuilt in the backward. Same values up
+      to the summation order."""
     local_experts = w_gate_EZF.shape[0]
     if kernel_impl(*EP_GROUPED) == "gpu_kernel":
         expert_N = jnp.where(plan.row_kept_N, plan.row_slot_N // cap, local_experts).astype(jnp.int32)
