@@ -9,6 +9,7 @@ tests without a compile."""
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -333,6 +334,16 @@ def test_sigterm_on_a_permanent_step_keeps_its_checkpoint_permanent(base, tmp_pa
     assert main(["train", "--run-dir", str(run), *BASE_ARGS, "--steps", "4"]) == 0
     assert steps_on_disk(run) == [1, 2, 3, 4]
     capsys.readouterr()
+
+
+def test_a_non_finite_grad_norm_is_an_alarm_line_before_the_run_stops(tmp_path, capsys):
+    """The grad_norm alarm's non-finite branch (StepLog.check) must run before the finiteness check stops the run;
+    the order had flipped, so it never fired in training (found by a fuzzer, docs/LOG.md thirty-fifth session)."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *TRAIN_ARGS, "--set", "model.init_scale=1e30"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"alarm grad_norm raised at step 0: grad norm is (nan|inf)", err), err
+    assert err.index("alarm grad_norm") < err.index("moejax: error: non-finite")
 
 
 def test_a_run_dir_that_fills_up_or_is_broken_is_one_line(base, tmp_path, monkeypatch, capsys):

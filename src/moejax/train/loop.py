@@ -301,8 +301,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             metrics = {k: to_py(v) for k, v in metrics.items()}
             if faults.kill_at("step", step):
                 faults.kill_now()
+            log.check(step, metrics, load_LE)  # first: a non-finite grad norm is an alarm line before the stop
             _check_finite(step, metrics, run_dir)
-            log.check(step, metrics, load_LE)
             s.ckpt.poll()  # a background save that failed (e.g. disk full) stops the run now
             metrics.update(_throughput(cfg, data.train.seq_len_at(step), time.perf_counter() - t0, peak))
             metrics.update({"data/context_parallel": phase.context, "moe/cf_send": phase.cf_send,
