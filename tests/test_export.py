@@ -4,6 +4,7 @@ a refused --out, and `--init-from` an export."""
 import dataclasses
 import functools
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,57 @@ def test_export_refuses_a_foreign_non_empty_dir(run_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a non-empty directory that is not an earlier export" in err and err.count("\n") == 1
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_export_never_replaces_a_dir_holding_more_than_an_export(run_dir, tmp_path, capsys):
+    """An earlier export is replaced whole; one that also holds a user's file, or a run copied into it (which
+    could be the very run being exported), is refused, nothing touched (found by a fuzzer, docs/LOG.md
+    thirty-fifth session: both were deleted). An --out that can't be written is one line too."""
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["tokenizer"]["encode_special_tokens"] is True  # what tokenizer.json can't record
+    (out / "NOTES.md").write_text("keep me")
+    shutil.copytree(run_dir, out / "myrun")
+    capsys.readouterr()
+    assert main(["export", str(out / "myrun"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "is an earlier export that also holds what no export writes (NOTES.md, myrun)" in err, err
+    assert err.count("\n") == 1 and (out / "NOTES.md").read_text() == "keep me"
+    assert list_checkpoints(out / "myrun")
+    (tmp_path / "file").write_text("x")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the export to" in err and err.count("\n") == 1, err
+
+
+def test_init_from_is_checked_before_the_run_dir_is_touched(run_dir, tmp_path, capsys):
+    """--init-from an export of another model shape, or with a truncated shard, is one line and leaves no run
+    dir (it left config.json, run_info.json and checkpoints/, so the right command was then refused); and
+    --init-from inside the --run-dir that --overwrite is about to delete is refused (it deleted its source)."""
+    from tests.tiny_run import TRAIN_ARGS
+
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    new = tmp_path / "new"
+    assert main(["train", "--run-dir", str(new), "--init-from", str(out), *TRAIN_ARGS,
+                 "--set", "model.n_layers=3"]) == 2
+    err = capsys.readouterr().err
+    assert "--init-from" in err and "n_layers is 2 in the checkpoint but 3 now" in err and err.count("\n") == 1, err
+    assert not new.exists()
+    shard = sorted(out.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:8])
+    assert main(["train", "--run-dir", str(new), "--init-from", str(out), *TRAIN_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert f"--init-from {out}: {out} is damaged" in err and err.count("\n") == 1, err
+    assert not new.exists()
+    own = tmp_path / "own"
+    shutil.copytree(run_dir, own)
+    assert main(["train", "--run-dir", str(own), "--overwrite", "--init-from", str(own), *TRAIN_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "is inside --run-dir" in err and "--overwrite would delete" in err and err.count("\n") == 1, err
+    assert [c.step for c in list_checkpoints(own) if c.complete] == [1, 2]
 
 
 def test_init_from_an_export_starts_from_its_weights(run_dir, tmp_path, capsys):

@@ -15,7 +15,7 @@ from moejax.config import apply_overrides
 from moejax.metrics import read_metrics
 from moejax.presets import preset
 from moejax.report import load_rows, write_report
-from moejax.train.run_dir import (RunError, RunLock, clear_run_dir, prepare_run_dir, read_summary,
+from moejax.train.run_dir import (SUMMARY_KEYS, RunError, RunLock, clear_run_dir, prepare_run_dir, read_summary,
                                   truncate_metrics)
 from tests.helpers import subprocess_xla_flags
 
@@ -179,6 +179,20 @@ def test_failed_report_leaves_no_report_dir(tmp_path, capsys):
 
 
 # ---- summary.json --------------------------------------------------------------------------------------
+def test_summary_of_a_run_extended_but_not_finished_says_so(tmp_path, capsys):
+    """A finished 4-step run extended to 6 and preempted keeps the 4-step summary.json: `summary` printed it as
+    the run's, no notice (found by a fuzzer, docs/LOG.md thirty-fifth session). Now one line saying so."""
+    _fake_run(tmp_path / "run")
+    summary = {k: 1 for k in SUMMARY_KEYS} | {"preset": "tiny", "steps": 4}
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
+    assert CFG.train.steps == 6  # _fake_run's config.json
+    with pytest.raises(RunError, match="is from when the run had 4 steps; it now has 6 and has not finished them"):
+        read_summary(tmp_path / "run")
+    assert main(["summary", str(tmp_path / "run")]) == 2 and capsys.readouterr().err.count("\n") == 1
+    (tmp_path / "run" / "config.json").write_text(apply_overrides(CFG, ["train.steps=4"]).to_json())
+    assert read_summary(tmp_path / "run")["steps"] == 4
+
+
 @pytest.mark.parametrize("content, words", [
     (None, "no summary.json in"),
     ("", "is empty, truncated or not a JSON object"),

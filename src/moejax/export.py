@@ -16,7 +16,8 @@ Notable choices:
   router bias is the train state's fp32 QB bias and stays fp32 at any --dtype (routing ties are decided
   by it).
 - Written under a temporary sibling directory and renamed into place; an existing --out is replaced only
-  when it is empty or an earlier export (a non-empty other directory: one-line error, nothing touched).
+  when it is empty or an earlier export holding nothing an export doesn't write (else: one-line error,
+  nothing touched).
 - `load_export` / `init_params_from_export` read it back (`train --init-from EXPORT_DIR` starts a new run
   from it); `tests/test_export.py` checks an export reproduces the checkpoint's logits exactly.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -33,7 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moejax.config import ConfigError, ModelConfig
+from moejax.config import ConfigError, ModelConfig, first_line
 from moejax.model.transformer import Transformer
 
 FORMAT = "moejax-export/1"
@@ -118,13 +120,27 @@ def is_export(path: Path) -> bool:
         return False
 
 
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _written_by_export(name: str) -> bool:
+    return name in (INDEX, CONFIG, TOKENIZER) or SHARD_NAME.fullmatch(name) is not None
+
+
 def check_out(out: Path) -> None:
-    """--out must be new, an empty directory, or an earlier export (which is then replaced)."""
+    """--out must be new, an empty directory, or an earlier export holding nothing else (which is then replaced
+    whole: a file a user added there, or a run copied into it, would go with it)."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not is_export(out):
-        raise ExportError(f"--out {out} is a non-empty directory that is not an earlier export; "
-                          "choose another directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_export(out):
+            raise ExportError(f"--out {out} is a non-empty directory that is not an earlier export; "
+                              "choose another directory")
+        others = sorted(p.name for p in out.iterdir() if not _written_by_export(p.name))
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise ExportError(f"--out {out} is an earlier export that also holds what no export writes ({shown}); "
+                              "move that away or choose another directory")
 
 
 def derived(cfg: ModelConfig) -> dict:
@@ -154,7 +170,9 @@ def write_export(tmp: Path, tensors: dict[str, np.ndarray], config: dict, tokeni
     if tokenizer is not None:
         config["tokenizer"] = {"file": TOKENIZER if has_file else None, "spec": tokenizer.spec,
                                "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
-                               "eos_token": tokenizer.eos_token}
+                               "eos_token": tokenizer.eos_token,
+                               # not saved in tokenizer.json: text quoting a special token stays text
+                               "encode_special_tokens": bool(has_file and tokenizer.tok.encode_special_tokens)}
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
 
 
@@ -186,12 +204,14 @@ def export_run(run_dir: str | Path, out: str | Path, dtype: str = "bf16", step: 
               "dtype": DTYPES[dtype], "fp32_always": list(FP32_ALWAYS), "step": loaded.step,
               "source": {"run_dir": str(Path(run_dir).absolute()), "checkpoint": str(loaded.path)},
               "run_config": cfg.to_dict()}
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         write_export(tmp, tensors, config, run_tokenizer(cfg), shard_bytes)
         _swap_into_place(tmp, out)
+    except OSError as e:  # a full disk, a read-only place, a file where a directory should be
+        raise ExportError(f"cannot write the export to {out}: {e.strerror or e}; nothing was replaced") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     files = sorted(p.name for p in out.glob("*.safetensors"))
@@ -222,11 +242,36 @@ def load_export(path: str | Path) -> tuple[ModelConfig, Transformer, dict]:
     return cfg, from_tensors(tensors, cfg), config
 
 
+def check_export(path: str | Path, model_config: dict) -> None:
+    """What `init_params_from_export` would refuse, read cheaply (config.json, the index, each shard's header)
+    before a run starts: `train --init-from` checks it before the new run dir is written."""
+    from safetensors import safe_open
+
+    from moejax.checkpoint import CheckpointError, check_compatible
+
+    path = Path(path)
+    try:
+        check_compatible(json.loads((path / CONFIG).read_text())["model"], model_config)
+        files = set(json.loads((path / INDEX).read_text())["weight_map"].values())
+        for fname in sorted(files):
+            with safe_open(path / fname, framework="flax") as f:
+                f.keys()
+    except CheckpointError:  # another model's weights: its own line
+        raise
+    except Exception as e:  # a malformed index, a missing or truncated shard (safetensors' errors are its own)
+        raise ExportError(f"{path} is damaged ({type(e).__name__}: {first_line(e)})") from None
+
+
 def init_params_from_export(path: str | Path, like: Transformer, model_config: dict) -> Transformer:
     """fp32 weights (the [L, E] router bias included) of an export, placed like `like` (for --init-from)."""
     from moejax.checkpoint import check_compatible
 
-    cfg, params, _ = load_export(path)
+    try:
+        cfg, params, _ = load_export(path)
+    except ExportError:
+        raise
+    except Exception as e:  # a shard truncated past its header: one line, not safetensors' traceback
+        raise ExportError(f"{path} is damaged ({first_line(e)})") from None
     check_compatible(dataclasses.asdict(cfg), model_config)
     return jax.tree.map(lambda a, x: jax.device_put(a.astype(np.float32), x.sharding), params, like)
 

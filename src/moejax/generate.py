@@ -42,9 +42,17 @@ class TextStream:
         return new
 
 
-def check_options(max_new_tokens: int, temperature: float, top_p: float) -> None:
-    if max_new_tokens <= 0:
-        raise ConfigError(f"--max-new-tokens ({max_new_tokens}) must be positive")
+# The global layers' KV cache is allocated for the prompt plus every new token at once: 10^12 new tokens filled the
+# host's memory until the kernel killed the process. A million is far past any sensible continuation.
+MAX_NEW_TOKENS = 1 << 20
+SEED_RANGE = (-(1 << 63), 1 << 63)  # jax.random.key takes a 64-bit integer
+
+
+def check_options(max_new_tokens: int, temperature: float, top_p: float, seed: int = 0) -> None:
+    if not 0 < max_new_tokens <= MAX_NEW_TOKENS:
+        raise ConfigError(f"--max-new-tokens ({max_new_tokens}) must be from 1 to {MAX_NEW_TOKENS:,}")
+    if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ConfigError(f"--seed ({seed}) must fit in 64 bits (from -2**63 to 2**63 - 1)")
     if not temperature >= 0:
         raise ConfigError(f"--temperature ({temperature}) must be >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
@@ -52,6 +60,10 @@ def check_options(max_new_tokens: int, temperature: float, top_p: float) -> None
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes the shell couldn't decode (surrogate escapes): the tokenizer's TypeError
+        raise ConfigError(f"--prompt is not valid UTF-8 text (at character {e.start})") from None
     ids = [int(i) for i in tokenizer.encode_batch([prompt])[0]]
     if not ids:
         raise ConfigError(f"--prompt {prompt!r} has no tokens")
@@ -66,7 +78,7 @@ def generate(run_dir: str | Path, prompt: str, *, step: int | None = None, max_n
     from moejax.model.decode import generate_tokens
     from moejax.weights import choose_checkpoints, load_run, run_config
 
-    check_options(max_new_tokens, temperature, top_p)
+    check_options(max_new_tokens, temperature, top_p, seed)
     out = out or sys.stdout
     t0 = time.perf_counter()
     cfg = run_config(Path(run_dir))

@@ -35,9 +35,9 @@ from moejax.checkpoint import (EXIT_PREEMPTED, MARKER, METADATA, STATE, Checkpoi
                                PreemptionGuard, PreemptionSignal, check_compatible, list_checkpoints, lost_peer,
                                restore)
 from moejax.compile_cache import enable_compile_cache
-from moejax.config import RunConfig
+from moejax.config import ConfigError, RunConfig
 from moejax.data.pipeline import make_data
-from moejax.export import init_params_from_export, is_export
+from moejax.export import check_export, init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, read_metrics, to_py
 from moejax.parallel.backends import attention_kernel, layer_weights, local_backend, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
@@ -97,6 +97,9 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
     mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
     moe_backend(cfg.parallel, mesh)  # before any data work
     init_from = resolve_init_from(opts.init_from, dataclasses.asdict(cfg.model)) if opts.init_from else None
+    if init_from is not None and opts.overwrite and _inside(init_from, run_dir):
+        raise RunError(f"--init-from {opts.init_from} is inside --run-dir {run_dir}, which --overwrite would delete "
+                       "before reading it; copy it elsewhere first")
     lock = RunLock(run_dir).acquire() if _primary() else None  # before the first byte is written
     try:
         data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
@@ -124,6 +127,12 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             lock.release()
 
 
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path` is `root` or below it (symlinks resolved)."""
+    path, root = path.resolve(), root.resolve()
+    return path == root or root in path.parents
+
+
 def resolve_init_from(init_from: str, model_cfg: dict) -> Path:
     """The complete checkpoint dir `--init-from` names (a run dir: its newest complete one; or a `moejax
     export` dir), with its model config checked: all before the new run dir is touched, so a bad path fails in
@@ -131,7 +140,11 @@ def resolve_init_from(init_from: str, model_cfg: dict) -> Path:
     src = Path(init_from)
     if not src.is_dir():
         raise RunError(f"--init-from {src}: no such checkpoint or run directory")
-    if is_export(src):  # weights + router bias, no optimizer state; its config is checked when loaded
+    if is_export(src):  # weights + router bias, no optimizer state
+        try:
+            check_export(src, model_cfg)
+        except (CheckpointError, ConfigError) as e:
+            raise RunError(f"--init-from {src}: {e}") from None
         return src
     if (src / "checkpoints").is_dir():
         complete = [c for c in list_checkpoints(src) if c.complete]

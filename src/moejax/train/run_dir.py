@@ -328,4 +328,8 @@ def read_summary(run_dir: Path) -> dict:
     missing = [k for k in SUMMARY_KEYS if k not in s]
     if missing:
         raise RunError(f"{path} lacks {', '.join(missing)}; the run's numbers are in metrics.jsonl")
+    steps = ((_json_dict(Path(run_dir) / "config.json") or {}).get("train") or {}).get("steps")
+    if isinstance(steps, int) and isinstance(s["steps"], int) and steps > s["steps"]:  # extended, not yet finished
+        raise RunError(f"{path} is from when the run had {s['steps']} steps; it now has {steps} and has not finished "
+                       "them (its numbers so far are in metrics.jsonl)")
     return s
