@@ -121,6 +121,25 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(save, tmp_p
     assert "Traceback" not in err and "checkpoint save failed" not in err
 
 
+def test_a_lost_peer_is_recognised_however_jax_raises_it(monkeypatch):
+    """A peer killed while the final checkpoint committed reached the survivor as a plain ValueError from
+    multihost_utils' gloo allgather (the commit vote), which `lost_peer` didn't recognise: a traceback, then a
+    100 s hang and a C++ abort instead of exit 75 in one line (found by a fuzzer, docs/LOG.md thirty-fifth
+    session). Also under a cleanup's error; other errors are not a lost peer."""
+    import jax
+
+    from moejax.checkpoint import lost_peer
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    gloo = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read error "
+                      "[127.0.0.1]:33711: Connection reset by peer")
+    assert "another process is gone (UNKNOWN: Gloo AllGather failed" in lost_peer(gloo)
+    cleanup = RuntimeError("close failed")
+    cleanup.__context__ = gloo
+    assert lost_peer(cleanup) is not None
+    assert lost_peer(ValueError("bad shape")) is None and lost_peer(OSError("Connection reset by peer")) is None
+
+
 def test_a_process_signalled_while_starting_ends_both_with_75(tmp_path):
     """SIGTERM to process 1 during set-up: it exits 75 at once (nothing to save); process 0's set-up collective
     then times out (gloo: 30 s) and it exits 75 too, in one line, having let its peer through jax's shutdown

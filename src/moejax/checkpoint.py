@@ -229,7 +229,9 @@ def lost_peer(e: BaseException | None) -> str | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, jax.errors.JaxRuntimeError) and _PEER_GONE.search(str(e)):
+        # jax raises a collective's failure as JaxRuntimeError, or (multihost_utils' allgathers over gloo, e.g. the
+        # checkpoint's commit vote) as a plain ValueError: both name the lost connection in their text
+        if isinstance(e, (jax.errors.JaxRuntimeError, ValueError)) and _PEER_GONE.search(str(e)):
             first = str(e).strip().splitlines()[0]
             return (f"process {jax.process_index()} of {jax.process_count()}: a collective failed, another "
                     f"process is gone ({first[:240]}); run the same command on every process again to resume")
