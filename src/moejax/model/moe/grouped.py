@@ -174,12 +174,15 @@ def from_blocks(y_BkbZ: Float[Array, "Bk b Z"], layout: BlockLayout) -> Float[Ar
     return gather_rows(y_BkbZ.reshape(-1, y_BkbZ.shape[-1]), layout.slot_A, layout.row_Pd[:, None])
 
 
-def _kernel(block: int, w_EZF, env_var: str = GROUPED[0]) -> dict | None:
+def _kernel(block: int, w_EZF) -> dict | None:
     """Keyword arguments for the `grouped_gpu` kernels when they run this matmul (MOEJAX_GROUPED, by the
-    `kernel_choice` rule) on blocks of `block` rows, else None. Off GPU a chosen kernel runs interpreted. A
-    shape the kernels can't take is an error naming `env_var`, not a quiet fall back to the einsums."""
-    if env_var == GROUPED[0] and not _kernel_chosen():
-        return None
+    `kernel_choice` rule) on blocks of `block` rows, else None."""
+    return _kernel_args(block, w_EZF, GROUPED[0]) if _kernel_chosen() else None
+
+
+def _kernel_args(block: int, w_EZF, env_var: str) -> dict:
+    """Keyword arguments for the `grouped_gpu` kernels on blocks of `block` rows, chosen by `env_var`. Off GPU they
+    run interpreted. A shape they can't take is an error naming `env_var`, not a quiet fall back to the einsums."""
     problem = grouped_gpu.shape_problem(block, *w_EZF.shape[1:])
     if problem:
         raise ConfigError(f"the grouped-GEMM GPU kernel can't take this model: {problem} (latent_width and "
@@ -368,7 +371,7 @@ def swiglu_kept_rows(x_NZ: Float[Array, "N Z"], expert_N: Int[Array, "N"], w_gat
     if x_NZ.shape[0] == 0:
         return jnp.zeros((0, w_down_EFZ.shape[-1]), x_NZ.dtype)
     layout = skipping_layout(expert_N, w_gate_EZF.shape[0], block_size)
-    interpret = _kernel(layout.block, w_gate_EZF, EP_GROUPED[0])["interpret"]
+    interpret = _kernel_args(layout.block, w_gate_EZF, EP_GROUPED[0])["interpret"]
     return _swiglu_in_kernels(x_NZ, layout, w_gate_EZF, w_up_EZF, w_down_EFZ, 1, interpret)
 
 
