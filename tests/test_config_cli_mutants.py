@@ -227,15 +227,34 @@ def test_an_empty_launcher_variable_counts_as_unset(launch_env):
                       SLURM_PROCID="2") == ("a:1", 4, 2)
 
 
-@pytest.mark.parametrize("n, i, timeout, words", [
-    (2, -1, 300, "--process-id (-1) must be in [0, --num-processes=2)"),
-    (None, -1, 300, "--process-id (-1) must be >= 0"),
-    (2, 1, 0, "--dist-timeout (0) must be positive"),
+@pytest.mark.parametrize("n, i, timeout, coordinator, words", [
+    (2, -1, 300, "a:1", "--process-id (-1) must be in [0, --num-processes=2)"),
+    (None, -1, 300, "a:1", "--process-id (-1) must be >= 0"),
+    (2, 1, 0, "a:1", "--dist-timeout (0) must be positive"),
+    (2, 1, 300, None, "--num-processes 2 --process-id 1 need --coordinator HOST:PORT (process 0's address) or "
+                      "--distributed"),
+    (None, 1, 300, None, "--num-processes None --process-id 1 need --coordinator HOST:PORT (process 0's address) "
+                         "or --distributed"),
+    (2, 0, 300, "localhost", "--coordinator 'localhost' is not HOST:PORT (e.g. node0:8476)"),
+    (2, 0, 300, "node0:http", "--coordinator 'node0:http' is not HOST:PORT (e.g. node0:8476)"),
+    (2, 0, 300, ":8476", "--coordinator ':8476' is not HOST:PORT (e.g. node0:8476)"),
+    (2, 0, 300, "node0:70000", "--coordinator 'node0:70000' is not HOST:PORT (e.g. node0:8476)"),
 ])
-def test_bad_process_flags_are_refused_naming_them(n, i, timeout, words):
+def test_bad_process_flags_are_refused_naming_them(n, i, timeout, coordinator, words):
+    """Checked on every process before any waiting: without a coordinator a `--process-id 1` trained alone; a
+    coordinator without a port failed inside jax on process 0 (`list index out of range`)."""
     with pytest.raises(ConfigError) as e:
-        _validate_processes(argparse.Namespace(num_processes=n, process_id=i, dist_timeout=timeout))
+        _validate_processes(argparse.Namespace(num_processes=n, process_id=i, dist_timeout=timeout,
+                                               coordinator=coordinator, distributed=False))
     assert str(e.value) == words
+
+
+@pytest.mark.parametrize("n, i, coordinator, distributed", [
+    (None, None, None, False), (1, 0, None, False), (2, 1, "node0:8476", False), (None, None, None, True),
+    (2, 0, "[::1]:8476", False)])
+def test_good_process_flags_pass(n, i, coordinator, distributed):
+    _validate_processes(argparse.Namespace(num_processes=n, process_id=i, dist_timeout=300,
+                                           coordinator=coordinator, distributed=distributed))
 
 
 def test_each_process_forces_its_share_of_the_mesh_as_host_devices(monkeypatch):

@@ -121,6 +121,56 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(save, tmp_p
     assert "Traceback" not in err and "checkpoint save failed" not in err
 
 
+def _held(run_dir):
+    """Another trainer's lock on `run_dir`, held for the test (a process of its own: flock is per open file)."""
+    run_dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys
+fd = os.open({str(run_dir / ".lock")!r}, os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"PID 1 on host elsewhere")
+print("held", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+@pytest.mark.parametrize("case", ["seed", "run_dir", "locked"])
+def test_processes_started_apart_stop_together_in_one_line(case, tmp_path):
+    """Processes with different seeds failed in a 51-line jax assertion; with different run dirs (or a second
+    job on the first one's coordinator port) they trained, then hung at the first checkpoint; on a run dir
+    another job held, process 0 stopped and process 1 exited 75 after ~30 s, which a launcher requeues forever.
+    Now each process ends at start-up, exit 2, with the same line (`job_start`), and nothing is written."""
+    run = tmp_path / "run"
+    cmds = _pair(run)
+    holder = None
+    if case == "seed":
+        cmds[1] += ["--set", "train.seed=7"]
+        want = ("process 1 was not started with process 0's command: train.seed is 0 on process 0, 7 on process 1; "
+                "start every process of the job with the same command")
+    elif case == "run_dir":
+        cmds[1][cmds[1].index("--run-dir") + 1] = str(tmp_path / "other")
+        want = f"process 1 does not see the run dir process 0 locked: --run-dir is {run} on process 0 (host "
+    else:
+        holder = _held(run)
+        want = f"run dir {run} is in use by PID 1 on host elsewhere"
+    try:
+        procs = _start(cmds)
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        if holder is not None:
+            holder.communicate("")
+    lasts = [err.strip().splitlines()[-1] for err in errs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert lasts[0].startswith(f"moejax: error: {want}"), lasts
+    peer_says = "process 0 stopped while the job started: " if case == "locked" else ""
+    assert lasts[1] == lasts[0].replace("moejax: error: ", f"moejax: error: {peer_says}"), lasts
+    assert "Traceback" not in errs[0] + errs[1]
+    assert [p.name for p in tmp_path.iterdir()] == (["run"] if case == "locked" else [])  # the holder's dir
+    assert not (run / "config.json").exists()
+
+
 def test_a_lost_peer_is_recognised_however_jax_raises_it(monkeypatch):
     """A peer killed while the final checkpoint committed reached the survivor as a plain ValueError from
     multihost_utils' gloo allgather (the commit vote), which `lost_peer` didn't recognise: a traceback, then a

@@ -140,6 +140,14 @@ def _validate_processes(args) -> None:
                           else f"--process-id ({i}) must be >= 0")
     if args.dist_timeout <= 0:
         raise ConfigError(f"--dist-timeout ({args.dist_timeout}) must be positive")
+    if not (args.coordinator or args.distributed) and ((n or 1) > 1 or (i or 0) > 0):
+        # it would train alone, as a one-process job, while its peers wait for it
+        raise ConfigError(f"--num-processes {n} --process-id {i} need --coordinator HOST:PORT (process 0's "
+                          "address) or --distributed")
+    if args.coordinator:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"--coordinator {args.coordinator!r} is not HOST:PORT (e.g. node0:8476)")
 
 
 class _StartupWatchdog:
@@ -225,7 +233,7 @@ def _cmd_train(args) -> int:
     opts = RunOptions(overwrite=args.overwrite, wandb=args.wandb, wandb_project=args.wandb_project,
                       wandb_run_name=args.wandb_run_name or "",
                       peak_flops=args.peak_flops, progress=not args.no_progress,
-                      init_from=args.init_from or "", profile=profile)
+                      init_from=args.init_from or "", profile=profile, start_timeout_s=args.dist_timeout)
     summary = train(cfg, Path(args.run_dir), opts)
     if threading.current_thread() is threading.main_thread():  # finished: a late SIGTERM is not a preemption
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -300,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-processes", type=int, help="number of processes (hosts) in the job")
     t.add_argument("--process-id", type=int, help="this process's index in [0, num-processes)")
     t.add_argument("--distributed", action="store_true", help="jax.distributed with cluster auto-detection")
-    t.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for the coordinator")
+    t.add_argument("--dist-timeout", type=int, default=300,
+                   help="seconds to wait for the coordinator, and for every process at each start-up check")
     t.set_defaults(fn=_cmd_train)
 
     s = sub.add_parser("summary", help="print the summary of a finished run")

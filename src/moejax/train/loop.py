@@ -14,6 +14,7 @@ exits 75 at once, a signal after the first step finishes the step and saves firs
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -43,6 +44,7 @@ from moejax.parallel.backends import attention_kernel, layer_weights, local_back
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
 from moejax.train.alarms import LOAD_KEY
+from moejax.train.job_start import JobStart, PeerPreempted
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
 from moejax.train.profile import ProfileWindow, StepProfiler, trace_dir
@@ -70,6 +72,7 @@ class RunOptions:
     progress: bool = True
     init_from: str = ""  # a checkpoint dir (a run dir: its newest; or an export dir) whose weights start a *new* run
     profile: ProfileWindow | None = None  # steps jax's profiler traces (--profile START:STOP, `moejax.train.profile`)
+    start_timeout_s: float = 300.0  # a multi-process job's wait for every process at start-up (--dist-timeout)
 
 
 def _primary() -> bool:
@@ -85,6 +88,8 @@ def train(cfg: RunConfig, run_dir: Path, opts: RunOptions = RunOptions()) -> dic
         except PreemptionSignal as e:
             raise Preempted(f"preempted ({e}) before the first step; nothing new to save; "
                             "run the same command again to resume") from None
+        except PeerPreempted as e:
+            raise Preempted(f"{e}; nothing new to save; run the same command again to resume") from None
 
 
 # A run dir that can't be written (full, over quota, read-only, not ours, a file where a dir should be): a user's
@@ -94,17 +99,9 @@ RUN_DIR_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
 
 def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGuard) -> dict:
     enable_compile_cache()  # a restart loads the compiled step instead of compiling it again
-    mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
-    moe_backend(cfg.parallel, mesh)  # before any data work
-    init_from = resolve_init_from(opts.init_from, dataclasses.asdict(cfg.model)) if opts.init_from else None
-    if init_from is not None and opts.overwrite and _inside(init_from, run_dir):
-        raise RunError(f"--init-from {opts.init_from} is inside --run-dir {run_dir}, which --overwrite would delete "
-                       "before reading it; copy it elsewhere first")
-    lock = RunLock(run_dir).acquire() if _primary() else None  # before the first byte is written
-    try:
-        data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+    with contextlib.ExitStack() as held:  # the run dir's lock, then the loader: closed in reverse
+        mesh, init_from, data, resuming = _start(cfg, run_dir, opts, held)
         try:
-            resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, primary=_primary(), data=data.describe())
             peak_info = job_peak(opts.peak_flops)
             peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
             if _primary():
@@ -120,11 +117,28 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             where = f" ({e.filename})" if e.filename else ""
             raise RunError(f"cannot write to run dir {run_dir}: {e.strerror or e}{where}; the last complete "
                            "checkpoint stays: fix it and run the same command again") from None
-        finally:
-            data.close()
-    finally:
-        if lock is not None:
-            lock.release()
+
+
+def _start(cfg: RunConfig, run_dir: Path, opts: RunOptions, held: contextlib.ExitStack):
+    """Checks, the run dir's lock (process 0) and the loader, with every process of a job agreeing on each
+    before the run dir is written (`job_start`): a process that stops here stops the others with its line."""
+    start = JobStart(opts.start_timeout_s)
+    with start.failures_published():
+        start.same_command(run_dir, cfg.to_dict(), {"overwrite": opts.overwrite, "init_from": opts.init_from})
+        mesh = make_mesh(cfg.parallel)  # fail on a mesh larger than the machine, or an unknown backend,
+        moe_backend(cfg.parallel, mesh)  # before any data work
+        init_from = resolve_init_from(opts.init_from, dataclasses.asdict(cfg.model)) if opts.init_from else None
+        if init_from is not None and opts.overwrite and _inside(init_from, run_dir):
+            raise RunError(f"--init-from {opts.init_from} is inside --run-dir {run_dir}, which --overwrite would "
+                           "delete before reading it; copy it elsewhere first")
+        if _primary():  # before the first byte is written
+            held.callback(RunLock(run_dir).acquire(job=start.token if start.count > 1 else "").release)
+        start.same_run_dir(run_dir)
+        data = make_data(cfg, process_index=jax.process_index(), process_count=jax.process_count())
+        held.callback(data.close)
+        start.same_data(data.describe().get("identity", ""))
+        resuming = prepare_run_dir(run_dir, cfg, opts.overwrite, data=data.describe()) if _primary() else None
+        return mesh, init_from, data, start.from_primary("resuming", resuming)
 
 
 def _inside(path: Path, root: Path) -> bool:

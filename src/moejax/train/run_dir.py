@@ -61,7 +61,9 @@ class RunLock:
         self._fd: int | None = None
         self._created = False
 
-    def acquire(self) -> "RunLock":
+    def acquire(self, job: str = "") -> "RunLock":
+        """Lock; `job` (a multi-process job's token) goes into the file, where the job's other processes
+        look for it to know they see the same directory (`job_start.JobStart.same_run_dir`)."""
         self._created = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -69,12 +71,14 @@ class RunLock:
                 pass
         except OSError as e:
             raise RunError(f"cannot lock run dir {self.run_dir}: {e.strerror or e}") from None
-        me = f"PID {os.getpid()} on host {socket.gethostname()}"
-        try:  # the holder's name only informs a second trainer's error; a full disk fails the run elsewhere
-            os.ftruncate(self._fd, 0)
+        me = f"PID {os.getpid()} on host {socket.gethostname()}" + (f" (job {job})" if job else "")
+        try:  # the holder's name informs a second trainer's error; a full disk fails a run elsewhere, except
+            os.ftruncate(self._fd, 0)  # that a job's peers must read its token here
             os.pwrite(self._fd, (me + "\n").encode(), 0)
-        except OSError:
-            pass
+        except OSError as e:
+            if job:
+                self.release()
+                raise RunError(f"cannot write to run dir {self.run_dir}: {e.strerror or e} ({self.path})") from None
         return self
 
     def _try_lock(self) -> bool:
@@ -152,14 +156,11 @@ def clear_run_dir(run_dir: Path) -> list[str]:
     return [n for n in entries if not _written_by_moejax(n)]
 
 
-def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, primary: bool = True,
-                    data: dict | None = None) -> bool:
+def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, data: dict | None = None) -> bool:
     """Create the run dir and its config.json; True when it already holds this run (resume): the same config
     up to what a restart may change, and (`data`: the loader's `describe()`) the same data.
-    Only the primary process writes; the others only read what is there. Call with the RunLock held."""
+    Process 0 calls it, with the RunLock held; a job's other processes take its answer (`job_start`)."""
     cfg_path = run_dir / "config.json"
-    if not primary:
-        return cfg_path.exists() and not overwrite
     if cfg_path.exists() and not overwrite:
         if not is_moejax_run(run_dir):  # --overwrite would refuse it too (`clear_run_dir`): don't offer it
             raise RunError(f"run dir {run_dir} holds a config.json that is not a moejax run's (an export's, or "
