@@ -18,7 +18,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from moejax import checkpoint as ck
+from moejax import checkpoint as ck, state_checksum
 from moejax.diffs import first_difference
 from tests.helpers import subprocess_xla_flags
 
@@ -311,6 +311,49 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, caplog, damage):
     assert len(warnings) == 1 and "step_00000020" in warnings[0] and "\n" not in warnings[0]
 
 
+def _flip_bits(step_dir, n: int, seed: int = 0) -> None:
+    """`n` single bits flipped at random in the checkpoint's largest data file: bit rot, as a disk or a copy
+    leaves it. orbax restored every such checkpoint silently (30 of 30 flips, docs/LOG.md thirty-sixth session)."""
+    f = max(_data_files(step_dir), key=lambda p: p.stat().st_size)
+    b, rng = bytearray(f.read_bytes()), np.random.default_rng(seed)
+    for pos, bit in zip(rng.integers(0, len(b), n), rng.integers(0, 8, n)):
+        b[pos] ^= 1 << int(bit)
+    f.write_bytes(bytes(b))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("seed", range(3))
+def test_a_bit_flipped_on_disk_is_caught_and_restore_falls_back(tmp_path, caplog, seed):
+    """Random weights (16 KB, so the data file is mostly array bytes): the flip lands in the array's data."""
+    state = lambda step: {"step": jnp.int32(step), "w": jnp.asarray(np.random.default_rng(step).standard_normal(
+        4096).astype(np.float32))}
+    with ck.CheckpointManager(tmp_path, permanent_every=10) as mgr:
+        mgr.save(10, state(10))
+        mgr.save(20, state(20))
+    newest = tmp_path / "checkpoints" / "step_00000020"
+    _flip_bits(newest, 1, seed)
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.restore(newest, state(0))
+    assert str(e.value) == (f"{newest}: its data changed on disk since it was saved: checksum of w differs from "
+                            "metadata.json's")
+    with caplog.at_level(logging.WARNING, logger="moejax.checkpoint"):
+        restored, meta = ck.restore_latest(tmp_path, state(0))
+    assert meta["step"] == 10
+    assert_bitwise_equal(restored, state(10))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "step_00000020: its data changed on disk" in warnings[0]
+
+
+def test_checkpoints_saved_before_checksums_still_restore(tmp_path):
+    newest = _two_checkpoints(tmp_path)
+    meta = json.loads((newest / "metadata.json").read_text())
+    assert set(meta["checksums"]) == {"step", "x"}
+    del meta["checksums"]
+    (newest / "metadata.json").write_text(json.dumps(meta))
+    _, meta = ck.restore_latest(tmp_path, tiny_state(0))
+    assert meta["step"] == 20
+
+
 def test_unreadable_metadata_falls_back_and_all_failing_lists_tried(tmp_path):
     newest = _two_checkpoints(tmp_path)
     (newest / "metadata.json").write_text("{not json")
@@ -507,6 +550,7 @@ def test_small_replicated_arrays_save_without_per_replica_slices_in_orbaxs_layou
     rep = NamedSharding(mesh, P())
     state = {"a": jax.device_put(jnp.arange(8 * 40, dtype=jnp.float32).reshape(8, 40), rep),
              "b": jax.device_put(jnp.ones((24,), jnp.float32), rep)}  # shapes no other test saves
+    state_checksum.checksums(state)  # the save's checksums compile once per state's shapes: before counting
     compiles = []
     listener = lambda event, *a, **k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
     jax.monitoring.register_event_duration_secs_listener(listener)

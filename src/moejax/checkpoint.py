@@ -3,7 +3,8 @@
 Layout (SPEC §5, STYLE rule 11)::
 
     run_dir/checkpoints/step_00006000/
-        metadata.json   step, wall time, kind, temporary?, config hash, mesh shape, model config, extras
+        metadata.json   step, wall time, kind, temporary?, config hash, mesh shape, model config, the
+                        arrays' checksums, extras
         state/          the whole train state, orbax StandardCheckpointHandler (OCDBT), written async
         COMMITTED       completion marker, written LAST (temp name -> fsync -> rename -> fsync dir)
 
@@ -36,7 +37,8 @@ Notable choices and where they come from:
   A signal before the first step (start-up, restore, compile) has nothing new to save: an `immediate`
   PreemptionGuard raises `PreemptionSignal` at once, which also exits 75.
 - A checkpoint can be refused after it restores (`check`, e.g. non-finite weights): restore falls back
-  past it like past a corrupt one.
+  past it like past a corrupt one. So it is when its data changed on disk: metadata.json holds two 32-bit
+  sums of each array (`state_checksum`), taken at save, compared after every restore (orbax checks none).
 - A failed background save is reported at the next `poll()` (every step), as one line: orbax's own
   multi-hundred-line error logs of that failure are filtered out (`_QuietOrbaxErrors`), and so is the
   aftermath printed at exit (`_drop_failed_write_aftermath`): "Event loop is closed" tracebacks from
@@ -65,7 +67,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store  # not exported; orbax's default handler uses it
 
-from moejax import faults
+from moejax import faults, state_checksum
 from moejax.diffs import find_difference
 from moejax.fsio import atomic_write, fsync_dir
 
@@ -337,7 +339,20 @@ def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = N
                                                       args=ocp.args.StandardRestore(without_empty(target))))
     except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
         raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
+    check_checksums(step_dir, meta, state)
     return state, meta
+
+
+def check_checksums(step_dir: Path, meta: dict, restored: Any) -> None:
+    """CheckpointError when a restored array's data is not what was saved (a flipped bit, a stale or damaged
+    file); checkpoints saved before checksums pass unchecked."""
+    saved = meta.get("checksums")
+    if not isinstance(saved, dict):
+        return
+    if bad := state_checksum.mismatches(saved, restored):
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise CheckpointError(f"{step_dir}: its data changed on disk since it was saved: checksum of {bad[0]}{more} "
+                              "differs from metadata.json's")
 
 
 Check = Callable[[Any, dict], "str | None"]  # (restored state, metadata) -> why it is unusable, or None
@@ -441,7 +456,7 @@ class CheckpointManager:
         meta = {"step": int(step), "wall_time": time.time(), "kind": kind, "temporary": kind == "temporary",
                 "config_hash": config_hash(self._run_config or self._model_config or {}),
                 "mesh_shape": _mesh_shape(state), "process_count": jax.process_count(),
-                "model_config": self._model_config}
+                "model_config": self._model_config, "checksums": state_checksum.checksums(state)}
         return {**meta, **_normalize(extra or {})}
 
     def save(self, step: int, state: Any, *, kind: str = "permanent", extra_metadata: dict | None = None) -> Path:

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from moejax.checkpoint import (MARKER, METADATA, STATE, CheckpointError, IncompatibleCheckpointError, check_compatible,
-                               list_checkpoints, with_empty, without_empty)
+from moejax.checkpoint import (MARKER, METADATA, STATE, CheckpointError, IncompatibleCheckpointError, check_checksums,
+                               check_compatible, list_checkpoints, with_empty, without_empty)
 from moejax.config import ConfigError, RunConfig
 from moejax.model.transformer import Transformer
 from moejax.train.state import compute_copy
@@ -93,6 +93,7 @@ def restore_weights(step_dir: Path, cfg: RunConfig, which: str = "compute") -> T
             out = ckptr.restore(step_dir / STATE, args=args)
     except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
         raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
+    check_checksums(step_dir, meta, out)  # the leaves read, named as in the whole state ("params/…")
     return with_empty(target, out)[which]
 
 
