@@ -9,8 +9,8 @@ KV-head rule; top-2 and TINY's vocab/window kept). Per model, in one process:
   the two kinds of step alternate and load from other jobs on a shared machine hits both alike. Reported: median
   step time of each kind, their ratio, and how many after-save steps *started* with the save still in flight
   (no completion marker yet): only those can be slowed down, so their median and ratio are shown too.
-- then one save with nothing running: time for `save()` to return (the blocking part: orbax's device->host
-  copy and the metadata write) and for `wait()` to return (array write + COMMITTED marker), both measured from
+- then one save with nothing running: time for `save()` to return (the blocking part: the arrays' checksums,
+  orbax's device->host copy and the metadata write; the checksums alone are timed again after it) and for `wait()` to return (array write + COMMITTED marker), both measured from
   the `save()` call, and the bytes of its step directory on disk;
 - then `restore()` of that newest checkpoint into an abstract state (ShapeDtypeStructs), blocked on, and checked
   equal to the live state; the last round's checkpoint (whose arrays were donated to the next step right after
@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from bench_train_step import compiled_step  # bench/ is sys.path[0] when run as a script
+from moejax import state_checksum
 from moejax.checkpoint import MARKER, CheckpointManager, list_checkpoints, restore
 from moejax.config import apply_overrides
 from moejax.presets import TINY
@@ -67,7 +68,8 @@ def timed_step(step_fn, state, batch):
 
 
 def bench_model(cfg, batches: list[dict], steps: int, rounds: int) -> dict:
-    step_fn, state, compile_s = compiled_step(cfg, False, batches[0])  # compile + first step
+    no_remat = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=False))
+    step_fn, state, compile_s = compiled_step(no_remat, batches[0])  # compile + first step
     state, _ = timed_step(step_fn, state, batches[1])  # one untimed warm step
     nb = len(batches)
     base, after, flight, save_calls = [], [], [], []  # flight[j]: after-save step j started before COMMITTED
@@ -99,6 +101,9 @@ def bench_model(cfg, batches: list[dict], steps: int, rounds: int) -> dict:
         mgr.wait()
         complete_s = time.perf_counter() - t0
         disk = dir_bytes(path)
+        t0 = time.perf_counter()  # the arrays' checksums, inside save()'s blocking part (compiled by now)
+        state_checksum.checksums(state)
+        checksum_s = time.perf_counter() - t0
 
         newest = [c for c in list_checkpoints(tmp) if c.complete][-1].path
         assert newest == path, (newest, path)
@@ -114,7 +119,7 @@ def bench_model(cfg, batches: list[dict], steps: int, rounds: int) -> dict:
         del donated, snapshot
 
     return {"state_bytes": tree_bytes(state), "params": sum(x.size for x in jax.tree.leaves(state.params)),
-            "compile_s": compile_s, "save_s": save_s, "complete_s": complete_s, "restore_s": restore_s,
+            "compile_s": compile_s, "save_s": save_s, "checksum_s": checksum_s, "complete_s": complete_s, "restore_s": restore_s,
             "disk": disk, "base": base, "after": after, "flight": flight, "save_calls": save_calls,
             "ok": ok_live and ok_donated, "ok_live": ok_live, "ok_donated": ok_donated}
 
@@ -146,10 +151,11 @@ def main() -> None:
         res = bench_model(cfg, batches, args.steps, rounds)
         rows.append((cfg, res, time.perf_counter() - t0))
 
-    print("| model | params | state (MB) | on disk (MB) | save() returns (s) | save complete, wait() (s) | "
+    print("| model | params | state (MB) | on disk (MB) | save() returns (s) | of which checksums (s) | "
+          "save complete, wait() (s) | "
           "restore (s) | step, no save (ms) | step after save() (ms) | ratio | steps started in flight | "
           "in-flight step (ms) | in-flight ratio | restore == saved |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cfg, r, _ in rows:
         b, a = float(np.median(r["base"])), float(np.median(r["after"]))
         fl = [x for x, f in zip(r["after"], r["flight"]) if f]
@@ -157,7 +163,7 @@ def main() -> None:
         m, t = cfg.model, cfg.train
         name = f"{cfg.name} (d{m.d_model}, L{m.n_layers}, E{m.n_experts}, batch {t.batch_size}x{t.seq_len})"
         print(f"| {name} | {r['params'] / 1e6:.1f}M | {r['state_bytes'] / 2**20:.1f} | {r['disk'] / 2**20:.1f} | "
-              f"{r['save_s']:.3f} | {r['complete_s']:.3f} | {r['restore_s']:.3f} | {1e3 * b:.1f} | {1e3 * a:.1f} | "
+              f"{r['save_s']:.3f} | {r['checksum_s']:.3f} | {r['complete_s']:.3f} | {r['restore_s']:.3f} | {1e3 * b:.1f} | {1e3 * a:.1f} | "
               f"{a / b:.3f} | {sum(r['flight'])}/{len(r['after'])} | {fm} | {'yes' if r['ok'] else 'NO'} |")
     print()
     for cfg, r, wall in rows:

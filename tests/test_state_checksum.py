@@ -28,10 +28,13 @@ def _reference(a: np.ndarray) -> str:
     return f"{plain:08x}:{mixed:08x}"
 
 
+@pytest.mark.parametrize("device_sums", ["numpy", "xla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_host_device_sharded_and_pinned_host_give_the_definitions_bits(dtype):
+def test_host_device_sharded_and_pinned_host_give_the_definitions_bits(dtype, device_sums, monkeypatch):
     """A checkpoint saved on one mesh (or with the optimizer state offloaded) checks on another: sums are exact
-    and order-free, whether XLA reduces the shards on device or numpy reduces them on the host."""
+    and order-free, whether XLA reduces the shards on device (a GPU's arrays; here forced) or numpy reduces them
+    on the host (pinned_host arrays, and a CPU backend's)."""
+    monkeypatch.setattr(sc, "NUMPY_ON_CPU", device_sums == "numpy")
     x = _array(dtype)
     mesh = jax.make_mesh((2, 4), ("data", "expert"))
     placed = {
@@ -53,8 +56,10 @@ def test_numpy_chunks_add_up_to_the_whole(monkeypatch):
     assert sc.checksums({"x": x}) == whole == {"x": _reference(x)}
 
 
+@pytest.mark.parametrize("device_sums", ["numpy", "xla"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_every_single_flipped_bit_changes_the_checksum(dtype):
+def test_every_single_flipped_bit_changes_the_checksum(dtype, device_sums, monkeypatch):
+    monkeypatch.setattr(sc, "NUMPY_ON_CPU", device_sums == "numpy")
     x = _array(dtype, (4, 6))
     before = sc.checksums({"x": jnp.asarray(x)})["x"]
     raw = x.reshape(-1).view(np.uint8)
