@@ -125,6 +125,26 @@ def test_load_matrix_is_normalised_by_the_mean_over_experts():
     np.testing.assert_allclose(rel_LES[:, :, 1], [[1.0, 1.0], [2.0, 0.0]])  # an idle layer reads as balanced
 
 
+def test_damaged_rows_are_left_out_like_a_torn_line(tmp_path, capsys):
+    """Hand-edited or damaged rows of metrics.jsonl (moejax's own file): a bad step, a value past float's range,
+    a ragged, empty or non-numeric load. Each was a traceback inside numpy or matplotlib; now those rows are
+    skipped and the rest is drawn."""
+    damaged = [{"step": None, "train/loss": 1.0, "train/router/load": [[1.0, 2.0]]},
+               {"step": "7", "train/loss": 1.0},
+               {"step": 1, "train/loss": 10 ** 400, "train/router/load": [[1.0], [2.0, 3.0]]},
+               {"step": 2, "train/router/load": [["a", "b"]]},
+               {"step": 3, "train/router/load": []},
+               {"step": 4, "train/router/load": [1.0, 2.0]},  # one layer's [E]: fine
+               {"step": 5, "train/loss": 2.0, "train/router/load": [[3.0, 1.0]]}]
+    assert series(damaged, "train/loss")[0].tolist() == [5]
+    steps, rel_LES = load_matrix(damaged)
+    assert steps.tolist() == [4, 5] and rel_LES.shape == (1, 2, 2)
+    run = tmp_path / "run"
+    write_metrics(run, damaged)
+    assert main(["report", str(run)]) == 0, capsys.readouterr().err
+    assert_png(run / "report" / "expert_load.png")
+
+
 def test_overflow_keys_are_the_train_step_names_in_layer_order():
     keys = overflow_keys([router_row(layers=12, experts=4)])  # layer_10 sorts after layer_9, not after layer_1
     assert keys == [f"train/router/layer_{i}/capacity_overflow_rate" for i in range(12)]

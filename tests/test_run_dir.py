@@ -198,8 +198,21 @@ def test_summary_of_a_run_extended_but_not_finished_says_so(tmp_path, capsys):
     ("", "is empty, truncated or not a JSON object"),
     ('{"preset": "tiny", "steps": 3, "first_lo', "is empty, truncated or not a JSON object"),
     ('{"preset": "tiny"}', "lacks steps, first_loss"),
+    # moejax's own file, edited or damaged: each was a traceback in `moejax summary`
+    (dict(first_loss="x"), "summary.json: first_loss is 'x', not a number"),
+    (dict(steps=None), "summary.json: steps is None, not an integer"),
+    (dict(mfu={}), "summary.json: mfu is {}, not a number"),
+    (dict(tokens_per_second="fast"), "summary.json: tokens_per_second is 'fast', not a number"),
+    (dict(eval_step=None), "summary.json: eval_step is None, not an integer"),
+    ({"eval/loss": 3.0}, "summary.json: it has one of eval/loss and eval/bpb without the other"),
+    (dict(alarms=[]), "summary.json: its alarms are not {kind: {count, first, last}}"),
+    (dict(alarms={"spike": {"count": 2, "first": "x"}}), "its alarms are not {kind: {count, first, last}}"),
 ])
 def test_summary_of_a_missing_or_broken_file_is_one_line(content, words, tmp_path, capsys):
+    if isinstance(content, dict):  # a whole summary with these fields changed
+        content = json.dumps({"preset": "tiny", "steps": 3, "first_loss": 9.0, "last_loss": 7.0,
+                              "tokens_per_second": 100.0, "mfu": 0.1, "wall_seconds": 5.0, "drop_fraction": 0.0,
+                              "alarms": {}, **content})
     if content is not None:
         (tmp_path / "summary.json").write_text(content)
     with pytest.raises(RunError, match=words):

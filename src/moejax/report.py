@@ -70,19 +70,26 @@ def load_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+def _step(row: dict, i: int) -> int | None:
+    """The row's step (its index when it has none); None when the step itself is damaged."""
+    step = row.get("step", i)
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, values) of the rows where `key` is a finite scalar (row index when a row has no step)."""
+    """(steps, values) of the rows where `key` is a finite scalar (row index when a row has no step); rows
+    whose step or value is damaged (not a number) are left out, as a torn line is."""
     steps, values = [], []
     for i, row in enumerate(rows):
-        v = row.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        v, step = row.get(key), _step(row, i)
+        if step is None or isinstance(v, bool) or not isinstance(v, (int, float, str)):
             continue
         try:
             v = float(v)
-        except ValueError:
+        except (ValueError, OverflowError):  # "abc", or an integer past float's range
             continue
         if math.isfinite(v):
-            steps.append(row.get("step", i))
+            steps.append(step)
             values.append(v)
     return np.asarray(steps), np.asarray(values)
 
@@ -130,15 +137,18 @@ def load_matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """(steps [S], load / mean load over experts [L, E, S]) from the rows that logged a full [L][E] load."""
     steps, loads = [], []
     for i, row in enumerate(rows):
-        v = row.get(LOAD_KEY)
-        if not isinstance(v, list):
+        v, step = row.get(LOAD_KEY), _step(row, i)
+        if not isinstance(v, list) or step is None:
             continue
-        a = np.asarray(v, dtype=np.float64)
+        try:
+            a = np.asarray(v, dtype=np.float64)
+        except (ValueError, TypeError, OverflowError):  # ragged, or not numbers: a damaged row
+            continue
         if a.ndim == 1:  # a single layer logged as [E]
             a = a[None]
-        if a.ndim != 2 or (loads and a.shape != loads[0].shape):
+        if a.ndim != 2 or a.size == 0 or (loads and a.shape != loads[0].shape):
             continue
-        steps.append(row.get("step", i))
+        steps.append(step)
         loads.append(a)
     if not loads:
         return np.zeros(0), np.zeros((0, 0, 0))

@@ -318,6 +318,30 @@ def truncate_metrics(run_dir: Path, start: int) -> None:
     atomic_write_chunks(path, chunks())
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _summary_damage(s: dict) -> str | None:
+    """What in a summary.json (moejax's own file, edited or damaged since) `moejax summary` can't print."""
+    kinds = {"steps": int, "first_loss": _number, "last_loss": _number, "wall_seconds": _number, "mfu": _number,
+             "drop_fraction": _number, "preset": str, "eval/loss": _number, "eval/bpb": _number, "eval_step": int}
+    for key, kind in kinds.items():
+        ok = (lambda v: isinstance(v, kind) and not isinstance(v, bool)) if isinstance(kind, type) else kind
+        if key in s and not ok(s[key]):
+            return f"{key} is {s[key]!r}, not {'an integer' if kind is int else 'a string' if kind is str else 'a number'}"
+    if s["tokens_per_second"] is not None and not _number(s["tokens_per_second"]):
+        return f"tokens_per_second is {s['tokens_per_second']!r}, not a number"
+    if ("eval/loss" in s) != ("eval/bpb" in s):
+        return "it has one of eval/loss and eval/bpb without the other"
+    alarms = s.get("alarms", {})
+    if not isinstance(alarms, dict) or not all(
+            isinstance(a, dict) and isinstance(a.get("count"), int) and isinstance(a.get("first"), str)
+            and (a["count"] < 2 or isinstance(a.get("last"), str)) for a in alarms.values()):
+        return "its alarms are not {kind: {count, first, last}}"
+    return None
+
+
 def read_summary(run_dir: Path) -> dict:
     """summary.json, with a missing, empty or truncated file as one RunError line."""
     path = Path(run_dir) / "summary.json"
@@ -329,6 +353,8 @@ def read_summary(run_dir: Path) -> dict:
     missing = [k for k in SUMMARY_KEYS if k not in s]
     if missing:
         raise RunError(f"{path} lacks {', '.join(missing)}; the run's numbers are in metrics.jsonl")
+    if why := _summary_damage(s):
+        raise RunError(f"{path}: {why}; the run's numbers are in metrics.jsonl")
     steps = ((_json_dict(Path(run_dir) / "config.json") or {}).get("train") or {}).get("steps")
     if isinstance(steps, int) and isinstance(s["steps"], int) and steps > s["steps"]:  # extended, not yet finished
         raise RunError(f"{path} is from when the run had {s['steps']} steps; it now has {steps} and has not finished "
