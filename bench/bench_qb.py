@@ -46,7 +46,7 @@ def bench_config(args, qb: bool) -> RunConfig:
              model=r(TINY.model, qb=qb, n_layers=args.layers),
              train=r(TINY.train, steps=args.steps, batch_size=args.batch_size, eval_every=0,
                      eval_batches=args.eval_batches, checkpoint_every=10 * args.steps,
-                     temp_checkpoint_minutes=1e6),
+                     temp_checkpoint_minutes=1e6, load_log_every=1),  # the tail reads every step's loads
              parallel=r(TINY.parallel, data=2, expert=4, cf_send=args.cf, cf_recv=args.cf))
 
 
