@@ -138,6 +138,28 @@ def test_export_never_replaces_a_dir_holding_more_than_an_export(run_dir, tmp_pa
     assert "cannot write the export to" in err and err.count("\n") == 1, err
 
 
+def test_an_export_removes_what_killed_exports_here_left_and_nothing_else(run_dir, tmp_path):
+    """kill -9 mid-export leaves a hidden half-written dir beside --out; the next export to it removes those of
+    this host's dead processes, and leaves a live one's, another host's and anything else alone."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a PID no process has now
+    left = {name: tmp_path / name for name in (f".export.tmp-{host}-{gone}-0123abcd",  # killed here: removed
+                                               f".export.tmp-{host}-{os.getpid()}-4567cdef",  # alive: kept
+                                               f".export.tmp-otherhost-{gone}-89ab0123",  # another host's: kept
+                                               f".other.tmp-{host}-{gone}-0123abcd")}  # another --out's: kept
+    for d in left.values():
+        d.mkdir()
+        (d / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["export", *list(left)[1:]])
+
+
 def test_init_from_is_checked_before_the_run_dir_is_touched(run_dir, tmp_path, capsys):
     """--init-from an export of another model shape, or with a truncated shard, is one line and leaves no run
     dir (it left config.json, run_info.json and checkpoints/, so the right command was then refused); and

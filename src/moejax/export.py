@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
@@ -176,6 +177,26 @@ def write_export(tmp: Path, tensors: dict[str, np.ndarray], config: dict, tokeni
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
 
 
+def _remove_dead_writers(out: Path) -> None:
+    """The half-written dirs that exports to `out` killed on this host left (kill -9, an OOM kill): a writer's
+    dir names its host and PID, so only this host's, of processes that are gone, are removed; another host's
+    export (a shared filesystem) or a live one here is left alone."""
+    mine = re.compile(rf"^\.{re.escape(out.name)}\.tmp-{re.escape(socket.gethostname())}-(\d+)-[0-9a-f]{{8}}$")
+    for p in out.parent.iterdir():
+        if (m := mine.match(p.name)) and p.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def _swap_into_place(tmp: Path, out: Path) -> None:
     if out.exists():  # empty, or an earlier export: move it aside, rename, then delete it
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -204,9 +225,10 @@ def export_run(run_dir: str | Path, out: str | Path, dtype: str = "bf16", step: 
               "dtype": DTYPES[dtype], "fp32_always": list(FP32_ALWAYS), "step": loaded.step,
               "source": {"run_dir": str(Path(run_dir).absolute()), "checkpoint": str(loaded.path)},
               "run_config": cfg.to_dict()}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_writers(out)
         tmp.mkdir()
         write_export(tmp, tensors, config, run_tokenizer(cfg), shard_bytes)
         _swap_into_place(tmp, out)
