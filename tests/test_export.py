@@ -226,3 +226,20 @@ def test_init_from_a_run_dir_takes_its_newest_checkpoints_weights_at_step_zero(r
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(new.opt_state), jax.tree.leaves(optimizer.init(state.params))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # Adam's moments start again at zero
+
+
+def test_init_from_on_a_mesh_places_the_new_state_as_the_runs_own(run_dir):
+    """On a data=2 x expert=4 mesh every leaf of the started state is placed as a fresh state of that run: the
+    optimizer's step counts were on one device, and the first step failed (found by a fuzzer, docs/LOG.md
+    thirty-sixth session)."""
+    from moejax.parallel.mesh import make_mesh
+    from moejax.train.loop import resolve_init_from
+
+    cfg = run_config(run_dir)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, data=2, expert=4))
+    mesh, optimizer = make_mesh(cfg.parallel), make_optimizer(cfg)[0]
+    fresh = init_state(cfg, optimizer, jax.random.key(0), mesh)
+    src = resolve_init_from(str(run_dir), dataclasses.asdict(cfg.model))
+    new = _initial_state(fresh, None, False, src, optimizer, dataclasses.asdict(cfg.model))
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(fresh)):
+        assert a.sharding == b.sharding, jax.tree_util.keystr(path)

@@ -423,8 +423,10 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
                 raise RunError(f"--init-from {init_from}: {why}")
             # A new buffer per leaf, also for the fp32 router bias: the state is donated to the step.
             compute = jax.tree.map(lambda p, c: jnp.array(p, dtype=c.dtype, copy=True), params, state.compute)
-            return TrainState(step=state.step, params=params, compute=compute, opt_state=optimizer.init(params),
-                              rng=state.rng)
+            # placed as the run's own fresh state is: optax puts its step counts on one device, which a step on
+            # a mesh refuses (a multi-device --init-from failed at its first step)
+            opt_state = jax.device_put(optimizer.init(params), jax.tree.map(lambda x: x.sharding, state.opt_state))
+            return TrainState(step=state.step, params=params, compute=compute, opt_state=opt_state, rng=state.rng)
     except CheckpointError as e:
         raise RunError(str(e)) from None
     return state
