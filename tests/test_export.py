@@ -21,7 +21,7 @@ from moejax.train.loop import _initial_state, make_optimizer
 from moejax.train.state import init_state
 from moejax.weights import load_run, run_config
 from tests.helpers import toy_model
-from tests.tiny_run import tiny_run_dir
+from tests.tiny_run import TRAIN_ARGS, tiny_run_dir
 
 # The export holds the very values the checkpoint's forward reads (bf16 = the compute copy, fp32 = the
 # master, router bias fp32 in both), so logits must agree bit for bit.
@@ -160,12 +160,40 @@ def test_an_export_removes_what_killed_exports_here_left_and_nothing_else(run_di
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["export", *list(left)[1:]])
 
 
+def test_a_damaged_export_is_refused_by_every_reader(run_dir, tmp_path, capsys):
+    """A bit flipped in a tensor's bytes loaded silently (found by a fuzzer, docs/LOG.md thirty-sixth session):
+    config.json now keeps each tensor's checksums, and loading checks them."""
+    from moejax.export import ExportError, load_export
+
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "fp32"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert set(config["checksums"]) == set(json.loads((out / "model.safetensors.index.json").read_text())
+                                           ["weight_map"])
+    load_export(out)
+    shard = sorted(out.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x10  # inside the last tensor's last element
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match=r"is damaged: tensor .* changed on disk since it was exported"):
+        load_export(out)
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path / "new"), "--init-from", str(out), *TRAIN_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "changed on disk since it was exported" in err and err.count("\n") == 1, err
+    config["checksums"] = []  # an edited config.json does not turn the check off
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="checksums are list, not a map of tensor to checksum"):
+        load_export(out)
+    del config["checksums"]  # an export made before checksums: loads unchecked
+    (out / "config.json").write_text(json.dumps(config))
+    load_export(out)
+
+
 def test_init_from_is_checked_before_the_run_dir_is_touched(run_dir, tmp_path, capsys):
     """--init-from an export of another model shape, or with a truncated shard, is one line and leaves no run
     dir (it left config.json, run_info.json and checkpoints/, so the right command was then refused); and
     --init-from inside the --run-dir that --overwrite is about to delete is refused (it deleted its source)."""
-    from tests.tiny_run import TRAIN_ARGS
-
     out = tmp_path / "export"
     assert main(["export", str(run_dir), "--out", str(out), "--dtype", "fp32"]) == 0
     capsys.readouterr()

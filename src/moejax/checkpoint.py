@@ -346,9 +346,12 @@ def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = N
 def check_checksums(step_dir: Path, meta: dict, restored: Any) -> None:
     """CheckpointError when a restored array's data is not what was saved (a flipped bit, a stale or damaged
     file); checkpoints saved before checksums pass unchecked."""
-    saved = meta.get("checksums")
-    if not isinstance(saved, dict):
+    if "checksums" not in meta:
         return
+    saved = meta["checksums"]
+    if not isinstance(saved, dict):  # a damaged or edited metadata.json must not turn the check off
+        raise CheckpointError(f"{step_dir}: {METADATA}'s checksums are {type(saved).__name__}, not a map of "
+                              "array to checksum")
     if bad := state_checksum.mismatches(saved, restored):
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         raise CheckpointError(f"{step_dir}: its data changed on disk since it was saved: checksum of {bad[0]}{more} "

@@ -36,6 +36,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from moejax import state_checksum
 from moejax.config import ConfigError, ModelConfig, first_line
 from moejax.model.transformer import Transformer
 
@@ -224,7 +225,7 @@ def export_run(run_dir: str | Path, out: str | Path, dtype: str = "bf16", step: 
     config = {"format": FORMAT, "model": dataclasses.asdict(cfg.model), "derived": derived(cfg.model),
               "dtype": DTYPES[dtype], "fp32_always": list(FP32_ALWAYS), "step": loaded.step,
               "source": {"run_dir": str(Path(run_dir).absolute()), "checkpoint": str(loaded.path)},
-              "run_config": cfg.to_dict()}
+              "run_config": cfg.to_dict(), "checksums": state_checksum.checksums(tensors)}
     tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -261,7 +262,22 @@ def load_export(path: str | Path) -> tuple[ModelConfig, Transformer, dict]:
             raise ExportError(f"{path / fname} is missing (named in {INDEX})")
         with safe_open(path / fname, framework="flax") as f:  # the numpy reader lacks bfloat16
             tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    _check_checksums(path, config, tensors)
     return cfg, from_tensors(tensors, cfg), config
+
+
+def _check_checksums(path: Path, config: dict, tensors: dict) -> None:
+    """The tensors are what was exported (`state_checksum`, as checkpoints have it); exports made before
+    checksums load unchecked."""
+    if "checksums" not in config:
+        return
+    saved = config["checksums"]
+    if not isinstance(saved, dict):
+        raise ExportError(f"{path / CONFIG}'s checksums are {type(saved).__name__}, not a map of tensor to checksum")
+    if bad := state_checksum.mismatches(saved, tensors):
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ExportError(f"{path} is damaged: tensor {bad[0]}{more} changed on disk since it was exported "
+                          f"(its checksum differs from {CONFIG}'s)")
 
 
 def check_export(path: str | Path, model_config: dict) -> None:

@@ -50,7 +50,7 @@ from moejax.train.optimizer import make_optimizer
 from moejax.train.profile import ProfileWindow, StepProfiler, trace_dir
 from moejax.train.run_dir import (RunError, RunLock, prepare_run_dir, read_summary, run_info, truncate_metrics,
                                   write_json)
-from moejax.train.state import TrainState, init_state, place_state
+from moejax.train.state import TrainState, init_opt_state, init_state, place_state
 from moejax.train.step import make_eval_step, make_train_step
 from moejax.xla_flags import step_compiler_options
 
@@ -423,9 +423,10 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
                 raise RunError(f"--init-from {init_from}: {why}")
             # A new buffer per leaf, also for the fp32 router bias: the state is donated to the step.
             compute = jax.tree.map(lambda p, c: jnp.array(p, dtype=c.dtype, copy=True), params, state.compute)
-            # placed as the run's own fresh state is: optax puts its step counts on one device, which a step on
-            # a mesh refuses (a multi-device --init-from failed at its first step)
-            opt_state = jax.device_put(optimizer.init(params), jax.tree.map(lambda x: x.sharding, state.opt_state))
+            # placed as a fresh state of this run is: optax alone puts its step counts on one device, which a
+            # step on a mesh refuses (a multi-device --init-from failed at its first step)
+            sharding = jax.tree.leaves(params)[0].sharding
+            opt_state = init_opt_state(optimizer, params, getattr(sharding, "mesh", None))
             return TrainState(step=state.step, params=params, compute=compute, opt_state=opt_state, rng=state.rng)
     except CheckpointError as e:
         raise RunError(str(e)) from None

@@ -79,12 +79,22 @@ def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
         abstract = jax.eval_shape(init, key)
         params_sh = param_shardings(abstract, mesh)
         params = jax.jit(init, out_shardings=params_sh)(key)
-        opt_sh = mirror_shardings(jax.eval_shape(optimizer.init, abstract), abstract, params_sh, mesh)
-        opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+        opt_state = init_opt_state(optimizer, params, mesh)
         compute = jax.jit(lambda p: compute_copy(p, dtype), out_shardings=params_sh)(params)
         put = lambda x: jax.device_put(x, NamedSharding(mesh, REPLICATED))
     return TrainState(step=put(jnp.zeros((), jnp.int32)), params=params, compute=compute, opt_state=opt_state,
                       rng=put(jax.random.key_data(jax.random.fold_in(key, 1))))
+
+
+def init_opt_state(optimizer, params, mesh=None):
+    """The optimizer's fresh state for these (placed) parameters; on a mesh each leaf mirrors its parameter's
+    sharding and the rest is replicated (optax alone would put its step counts on one device)."""
+    if mesh is None:
+        return optimizer.init(params)
+    abstract = jax.eval_shape(lambda p: p, params)
+    params_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_sh = mirror_shardings(jax.eval_shape(optimizer.init, abstract), abstract, params_sh, mesh)
+    return jax.jit(optimizer.init, out_shardings=opt_sh)(params)
 
 
 @dataclass(frozen=True)
