@@ -345,9 +345,14 @@ def test_a_bit_flipped_on_disk_is_caught_and_restore_falls_back(tmp_path, caplog
 
 
 def test_checkpoints_saved_before_checksums_still_restore(tmp_path):
+    """Only a missing key means "saved before checksums": a value of another type is damage, refused (it turned
+    the check off, found by a fuzzer)."""
     newest = _two_checkpoints(tmp_path)
     meta = json.loads((newest / "metadata.json").read_text())
     assert set(meta["checksums"]) == {"step", "x"}
+    (newest / "metadata.json").write_text(json.dumps({**meta, "checksums": []}))
+    with pytest.raises(ck.CheckpointError, match="metadata.json's checksums are list, not a map of array to"):
+        ck.restore(newest, tiny_state(0))
     del meta["checksums"]
     (newest / "metadata.json").write_text(json.dumps(meta))
     _, meta = ck.restore_latest(tmp_path, tiny_state(0))
