@@ -233,8 +233,8 @@ def test_an_empty_launcher_variable_counts_as_unset(launch_env):
     (2, 1, 0, "a:1", "--dist-timeout (0) must be positive"),
     (2, 1, 300, None, "--num-processes 2 --process-id 1 need --coordinator HOST:PORT (process 0's address) or "
                       "--distributed"),
-    (None, 1, 300, None, "--num-processes None --process-id 1 need --coordinator HOST:PORT (process 0's address) "
-                         "or --distributed"),
+    (None, 1, 300, None, "--process-id 1 needs --coordinator HOST:PORT (process 0's address) or --distributed"),
+    (2, None, 300, None, "--num-processes 2 needs --coordinator HOST:PORT (process 0's address) or --distributed"),
     (2, 0, 300, "localhost", "--coordinator 'localhost' is not HOST:PORT (e.g. node0:8476)"),
     (2, 0, 300, "node0:http", "--coordinator 'node0:http' is not HOST:PORT (e.g. node0:8476)"),
     (2, 0, 300, ":8476", "--coordinator ':8476' is not HOST:PORT (e.g. node0:8476)"),

@@ -107,6 +107,31 @@ def test_sigterm_while_the_command_imports_jax_exits_75(tmp_path, cache):
     assert not (tmp_path / "run").exists()
 
 
+def test_sigterm_that_an_extension_import_reraises_is_still_a_preemption(tmp_path, monkeypatch, capsys):
+    """A SIGTERM landing inside `import tensorstore` (reached through the CLI's `moejax.checkpoint` import) came out
+    as that import's ImportError: a traceback and exit 1, not 75 (found by a fuzzer, docs/LOG.md thirty-sixth
+    session). Whatever the handler's exception turned into, a signal while starting is a preemption."""
+    import signal
+
+    from moejax import cli
+
+    def import_interrupted(args):
+        try:
+            cli._raise_preempted(signal.SIGTERM, None)  # what the handler does when the signal lands
+        except cli._PreemptedWhileStarting:
+            raise ImportError("initialization failed") from None  # what the extension module made of it
+
+    monkeypatch.setattr(cli, "_preempted_by", None)
+    monkeypatch.setattr(cli, "_cmd_train", import_interrupted)
+    assert cli.main(["train", "--run-dir", str(tmp_path / "run")]) == EXIT_PREEMPTED
+    assert capsys.readouterr().err.strip() == ("moejax: preempted (SIGTERM) while starting; nothing to save; run the "
+                                               "same command again")
+    monkeypatch.setattr(cli, "_preempted_by", None)
+    monkeypatch.setattr(cli, "_cmd_train", lambda args: (_ for _ in ()).throw(ImportError("a real one")))
+    with pytest.raises(ImportError, match="a real one"):  # without a signal, an error is not a preemption
+        cli.main(["train", "--run-dir", str(tmp_path / "run")])
+
+
 def test_sigterm_in_the_last_step_or_after_it_lets_the_run_finish(tmp_path, cache):
     """The run's work is done: a SIGTERM in the last step, or while the final checkpoint commits, ends it as
     usual (final checkpoint, summary, exit 0). It used to exit 75 with no summary, which no rerun could finish

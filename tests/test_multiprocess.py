@@ -261,3 +261,85 @@ def test_sigterm_while_waiting_for_the_coordinator_exits_75(tmp_path):
     err = p.communicate(timeout=60)[1]
     assert p.returncode == 75, err[-2000:]
     assert "moejax: preempted (SIGTERM) while starting; nothing to save" in err and "Traceback" not in err
+
+
+def test_process_0_refuses_a_port_another_coordinator_answers_on(tmp_path):
+    """gRPC binds with SO_REUSEPORT, so a second job's process 0 on a live coordinator's port started a second
+    coordinator and waited out --dist-timeout while the jobs' processes joined either one. Now it stops at once."""
+    with socket.socket() as live:  # a listener as gRPC opens one
+        live.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        port = live.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "moejax.cli", *ARGS, "--run-dir", str(tmp_path / "x"),
+                            "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+                            "--dist-timeout", "60"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"moejax: error: --coordinator 127.0.0.1:{port}: something already "
+                                                 "answers on that port (another job's coordinator?); give this job "
+                                                 "a free port")
+    assert not (tmp_path / "x").exists()
+
+
+PEER_THAT_JOINS_AND_STOPS = """
+import sys, time
+import jax
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=1)
+jax.devices()  # the job's device exchange: process 0's backend waits for it
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_peer_lost_during_the_start_up_agreement_ends_process_0_in_bounded_time(tmp_path):
+    """Process 1 joins the job, then dies (kill -9) before the agreement: process 0 names it after --dist-timeout
+    and leaves. It used to wait in jax's shutdown barrier for jax's 100 s heartbeat, then abort (rc -6) with a
+    C++ stack trace (found by a fuzzer, docs/LOG.md thirty-sixth session)."""
+    import time
+
+    port = _free_port()
+    p0 = subprocess.Popen([sys.executable, "-m", "moejax.cli", *ARGS, "--run-dir", str(tmp_path / "x"),
+                           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0",
+                           "--dist-timeout", "8"], stderr=subprocess.PIPE, text=True, env=_env())
+    p1 = subprocess.Popen([sys.executable, "-c", PEER_THAT_JOINS_AND_STOPS, f"127.0.0.1:{port}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env={**_env(), "JAX_PLATFORMS": "cpu",
+                               "XLA_FLAGS": f"{_env()['XLA_FLAGS']} --xla_force_host_platform_device_count=4"})
+    try:
+        assert p1.stdout.readline() == "joined\n"
+    finally:
+        p1.kill()
+    lost = time.monotonic()
+    err = p0.communicate(timeout=120)[1]
+    assert p0.returncode == 2, err[-2000:]
+    assert time.monotonic() - lost < 40, "process 0 waited for jax's heartbeat"
+    assert err.strip().splitlines()[-1] == ("moejax: error: process 1 did not reach the start-up's 'command' step "
+                                            "within 8s (--dist-timeout); is every process running the same command?")
+    assert "Traceback" not in err and "Check failure" not in err
+
+
+def test_sigterm_while_the_job_forms_ends_process_0_in_bounded_time(tmp_path):
+    """SIGTERM to process 0 while it waits in jax.distributed's start-up, process 1 joining after it: process 0
+    printed its preempted line and then hung in jax's shutdown barrier, waiting for a process 1 that was itself
+    stuck in the device exchange waiting for process 0 (found by a fuzzer, docs/LOG.md thirty-sixth session). Now
+    process 0 exits 75 within the shutdown grace, and process 1 ends once it is gone."""
+    import signal
+    import time
+
+    port = _free_port()
+    cmds = [[*ARGS, "--run-dir", str(tmp_path / "x"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i), "--dist-timeout", "9"] for i in range(2)]
+    p0 = subprocess.Popen([sys.executable, "-m", "moejax.cli", *cmds[0]], stderr=subprocess.PIPE, text=True,
+                          env=_env())
+    line = p0.stderr.readline()  # every 3 s while it waits for process 1 inside jax.distributed.initialize
+    assert line.startswith("moejax: waiting for all processes to join the coordinator"), line
+    p0.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    p1 = subprocess.Popen([sys.executable, "-m", "moejax.cli", *cmds[1]], stderr=subprocess.PIPE, text=True,
+                          env=_env())
+    err0 = p0.communicate(timeout=120)[1]
+    assert p0.returncode == 75, err0[-2000:]
+    assert time.monotonic() - signalled < 40, "process 0 stayed in jax's shutdown barrier"
+    assert "moejax: preempted (SIGTERM) while starting" in err0 and "Traceback" not in err0
+    p1.communicate(timeout=120)  # it ends (with jax's abort when its coordinator went away mid-exchange)
+    assert not (tmp_path / "x").exists()

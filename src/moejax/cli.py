@@ -101,6 +101,18 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _answers(address: str) -> bool:
+    """Whether something accepts a TCP connection at HOST:PORT now."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def _env_first(*names: str) -> str | None:
     return next((os.environ[n] for n in names if os.environ.get(n)), None)
 
@@ -142,7 +154,8 @@ def _validate_processes(args) -> None:
         raise ConfigError(f"--dist-timeout ({args.dist_timeout}) must be positive")
     if not (args.coordinator or args.distributed) and ((n or 1) > 1 or (i or 0) > 0):
         # it would train alone, as a one-process job, while its peers wait for it
-        raise ConfigError(f"--num-processes {n} --process-id {i} need --coordinator HOST:PORT (process 0's "
+        given = " ".join(f"{flag} {v}" for flag, v in (("--num-processes", n), ("--process-id", i)) if v is not None)
+        raise ConfigError(f"{given} need{'s' if ' --' not in given else ''} --coordinator HOST:PORT (process 0's "
                           "address) or --distributed")
     if args.coordinator:
         host, _, port = args.coordinator.rpartition(":")
@@ -207,6 +220,11 @@ def _init_distributed(args) -> None:
 
     if args.coordinator and args.process_id:  # process 0 hosts the coordinator; the others wait for it
         _wait_for_coordinator(args.coordinator, args.dist_timeout)
+    elif args.coordinator and _answers(args.coordinator):
+        # gRPC binds with SO_REUSEPORT: a second coordinator on a live one's port starts without an error, and
+        # the jobs' processes then join either one
+        raise RunError(f"--coordinator {args.coordinator}: something already answers on that port (another job's "
+                       "coordinator?); give this job a free port")
     try:
         with _StartupWatchdog(args):
             jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
@@ -350,7 +368,8 @@ SHUTDOWN_GRACE_S = 10.0
 
 
 def _leave_distributed(code: int) -> None:
-    """Exit after a lost peer, within SHUTDOWN_GRACE_S. jax's shutdown barrier is tried first, on a thread:
+    """Exit a multi-process run that failed (a lost peer, an error, a preemption), within SHUTDOWN_GRACE_S.
+    jax's shutdown barrier is tried first, on a thread:
     peers still alive (one that exited 75 while this one was starting) pass it and exit as they meant to;
     when the peer is dead it would wait out its heartbeat (100 s) and then abort with a C++ stack trace,
     so the process leaves without it. The rows on disk are whole, and a checkpoint cut short has no COMMITTED
@@ -378,8 +397,13 @@ class _PreemptedWhileStarting(BaseException):
     coordinator): nothing exists to save, so exit 75 at once (the launcher requeues), not 143."""
 
 
+_preempted_by: str | None = None  # the signal `_raise_preempted` turned into an exception, if one did
+
+
 def _raise_preempted(signum, frame) -> None:
-    raise _PreemptedWhileStarting(signal.Signals(signum).name)
+    global _preempted_by
+    _preempted_by = signal.Signals(signum).name
+    raise _PreemptedWhileStarting(_preempted_by)
 
 
 def preempted_while_starting(signal_name: str) -> int:
@@ -394,12 +418,33 @@ def main(argv: list[str] | None = None) -> int:
     starting = starting and threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _raise_preempted) if starting else None
     try:
-        return _main(argv)
+        code = _main(argv)
     except _PreemptedWhileStarting as e:
-        return preempted_while_starting(str(e))
+        code = preempted_while_starting(str(e))
+    except BaseException:
+        if _preempted_by is None:
+            raise
+        # the signal landed inside an extension module's import (tensorstore's), which reraised it as an
+        # ImportError: still a preemption while starting
+        code = preempted_while_starting(_preempted_by)
     finally:
         if starting:
             signal.signal(signal.SIGTERM, old)
+    if code != 0 and _joined_a_job():
+        # jax's own shutdown waits for every process at a barrier, unbounded: a peer that is gone, or one still
+        # stuck inside jax.distributed's start-up, would hold this one there (or abort it after jax's 100 s
+        # heartbeat)
+        _leave_distributed(code)
+    return code
+
+
+def _joined_a_job() -> bool:
+    """Whether this process started (or is starting) a jax.distributed client."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
 
 
 def _main(argv: list[str] | None) -> int:
