@@ -80,14 +80,11 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
 
     from moejax.train.loop import RunError
 
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise RunError(f"--coordinator {address!r} is not HOST:PORT")
     t0 = time.monotonic()
     next_report = t0
     while True:
         try:
-            with socket.create_connection((host, int(port)), timeout=2):
+            with socket.create_connection(_host_port(address), timeout=2):
                 return
         except OSError as e:
             now = time.monotonic()
@@ -101,13 +98,18 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT (checked by `_validate_processes`) as a socket address; "[::1]:8476" -> ("::1", 8476)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def _answers(address: str) -> bool:
     """Whether something accepts a TCP connection at HOST:PORT now."""
     import socket
 
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        with socket.create_connection(_host_port(address), timeout=2):
             return True
     except OSError:
         return False
