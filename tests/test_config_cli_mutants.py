@@ -38,7 +38,7 @@ from moejax.xla_flags import FORCED_HOST_DEVICES
     (["model.loss_vocab_block=-1"], "loss_vocab_block (-1) must be >= 0"),
     (["model.attn_q_block=-1"], "attn_q_block (-1) must be >= 0"),
     (["model.attn_q_block=96"], "seq_len (128) is not divisible by model.attn_q_block (96)"),
-    (["train.seed=9223372036854775808"], "seed (9223372036854775808) must be in [0, 2**63)"),
+    (["train.seed=9223372036854775808"], "seed (9223372036854775808) must be in [0, 2**32)"),
     (["train.warmup_fraction=1"], "warmup_fraction (1.0) must be in [0, 1)"),
     (["train.min_lr_fraction=-0.1"], "min_lr_fraction (-0.1) must be in [0, 1]"),
     (["train.optimizer=sgd"], "optimizer ('sgd') must be 'adam' or 'hero'"),
@@ -55,7 +55,7 @@ from moejax.xla_flags import FORCED_HOST_DEVICES
     (["parallel.waves=0"], "waves (0) must be positive"),
     (["parallel.cf_recv=0"], "cf_recv (0.0) must be positive"),
     (["parallel.data=2", "parallel.expert=5"], "n_experts (16) is not divisible by the expert axis (5)"),
-    (["data.prefetch=-1"], "data.prefetch (-1) must be >= 0"),
+    (["data.prefetch=-1"], "data.prefetch (-1) must be in [0, 64]"),
     (["data.weights=a=0"], "data.weights: 'a' has 0.0; every value must be a number > 0 and <= 1e+15"),
     (["data.weights=a=inf"], "data.weights: 'a' has inf; every value must be a number > 0 and <= 1e+15"),
     (["data.weights=a=1e303"], "data.weights: 'a' has 1e+303; every value must be a number > 0 and <= 1e+15"),
@@ -67,8 +67,8 @@ from moejax.xla_flags import FORCED_HOST_DEVICES
     (["alarms.patience=0"], "patience (0) must be positive"),
     (["alarms.drop_max=1.5"], "alarms.drop_max (1.5) must be <= 1"),
     (["train.b1=0.8"], "train.b1 would have no effect: train.optimizer=hero"),  # SPEC §4: hero's betas are fitted
-    (["model.n_layers=1.5"], "override n_layers='1.5' is not a valid int"),
-    (["model.qb=2"], "override qb='2' is not a valid bool"),
+    (["model.n_layers=1.5"], "override model.n_layers='1.5' is not a valid int"),
+    (["model.qb=2"], "override model.qb='2' is not a valid bool"),
     (["data.store"], "override 'data.store' is not of the form section.field=value"),  # no "=": never store=""
     # found by this audit, accepted before (NaN or a dead model at step 0, after the run dir was written;
     # an infinite alarm threshold switched its alarm off)
@@ -84,6 +84,15 @@ from moejax.xla_flags import FORCED_HOST_DEVICES
     (["train.optimizer=adam", "train.eps=-1"], "eps (-1.0) must be positive"),
     (["alarms.collapse_ratio=inf"], "collapse_ratio (inf) must be a finite number"),
     (["alarms.grad_spike=nan"], "grad_spike (nan) must be a finite number"),
+    # found by the thirty-sixth session's CLI fuzz: each passed and then crashed or hung mid-run, after the run
+    # dir was written (a deque's maxlen overflow, a 10^30-batch prefetch queue, jax's int32 step, a seed jax cut
+    # to 32 bits)
+    (["alarms.window=" + str(10**30)], f"alarms.window ({10**30}) must be below 2**31"),
+    (["train.steps=" + str(10**30)], f"train.steps ({10**30}) must be below 2**31"),
+    (["model.n_experts=" + str(10**30)], f"model.n_experts ({10**30}) must be below 2**31"),
+    (["train.seed=4294967296"], "seed (4294967296) must be in [0, 2**32)"),  # jax kept its low 32 bits: seed 0
+    (["data.prefetch=1000"], "data.prefetch (1000) must be in [0, 64]"),
+    (["model.window=x"], "override model.window='x' is not a valid int"),  # the section named: alarms has one too
 ])
 def test_each_bad_value_is_refused_naming_it(overrides, words):
     with pytest.raises(ConfigError) as e:
@@ -99,7 +108,7 @@ def test_each_bad_value_is_refused_naming_it(overrides, words):
     ("model.rope_dim=16", ("model", "rope_dim"), 16),  # "(0, head_dim=16]": the whole head may rotate
     ("train.warmup_fraction=0", ("train", "warmup_fraction"), 0.0),  # "[0, 1)"
     ("train.min_lr_fraction=1", ("train", "min_lr_fraction"), 1.0),  # "[0, 1]": a constant learning rate
-    ("train.seed=9223372036854775807", ("train", "seed"), 2**63 - 1),  # "[0, 2**63)"
+    ("train.seed=4294967295", ("train", "seed"), 2**32 - 1),  # "[0, 2**32)"
     ("model.z_loss_weight=0", ("model", "z_loss_weight"), 0.0),  # ">= 0": no z-loss
     ("alarms.window=3", ("alarms", "window"), 3),  # ">= 3 (a trend needs three points)"
     ("alarms.dead_load=0", ("alarms", "dead_load"), 0.0),  # "[0, 1)"
@@ -302,3 +311,36 @@ def test_summary_prints_percentages_the_eval_row_and_each_alarms_first_and_last(
     assert main(["summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "not evaluated" not in out and "alarms      none" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    # argparse's own errors printed its usage block and "moejax train: error: ..."
+    (["train", "--run-dir", "x", "--steps", "1.5"], "argument --steps: invalid int value: '1.5'"),
+    (["train", "--run-dir", "x", "--wandb", "bogus"], "argument --wandb: invalid choice: 'bogus'"),
+    (["train", "--run-dir", "x", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["export", "run", "--out", "o", "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    (["bogus"], "argument cmd: invalid choice: 'bogus'"),
+    (["train", "--run-dir", "x", "--num-processes", "abc"], "argument --num-processes: invalid int value: 'abc'"),
+    # accepted before, found by the thirty-sixth session's CLI fuzz
+    (["train", "--run-dir", "x", "--mesh", "data=²"], "--mesh item 'data=²' is not AXIS=N"),  # was a traceback
+    (["train", "--run-dir", "x", "--peak-flops", "nan"], "--peak-flops (nan) must be a finite FLOP/s >= 0"),
+    (["train", "--run-dir", "x", "--peak-flops", "-5"], "--peak-flops (-5.0) must be a finite FLOP/s >= 0"),
+    (["ladder", "run", "--out", "x", "--widths", ","], "--widths ',' is not a comma-separated list of integers"),
+])
+def test_every_user_error_is_one_line(argv, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's errors leave through sys.exit, as the command does
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moejax: error: ") and words in err and err.count("\n") == 1, err
+    assert "usage:" not in err and not (tmp_path / "x").exists()
+
+
+def test_an_infinite_temperature_is_refused():
+    from moejax.generate import check_options
+
+    with pytest.raises(ConfigError, match=r"--temperature \(inf\) must be a finite number >= 0"):
+        check_options(8, float("inf"), 0.9)

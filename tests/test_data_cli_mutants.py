@@ -249,10 +249,10 @@ def test_bytes_per_token_of_a_non_byte_level_tokenizer_counts_utf8_bytes():
     ("data.heldout_fraction=0", "data.heldout_fraction (0.0) must be in (0, 1)"),
     ("data.cooldown_start=1", "data.cooldown_start (1.0) must be in (0, 1)"),
     ("train.steps=0", "steps (0) must be positive"),
-    ("train.remat=yes", "override remat='yes' is not a valid bool"),
-    ("model.n_layers=two", "override n_layers='two' is not a valid int"),
+    ("train.remat=yes", "override train.remat='yes' is not a valid bool"),
+    ("model.n_layers=two", "override model.n_layers='two' is not a valid int"),
     # numpy's Generator (the data order) takes no negative seed: a traceback after the run dir was written
-    ("train.seed=-1", "seed (-1) must be in [0, 2**63)"),
+    ("train.seed=-1", "seed (-1) must be in [0, 2**32)"),
 ])
 def test_a_bad_value_is_refused_in_one_line_naming_it(override, words):
     """README: every config validates itself; a bad value is one line naming the field and the value, never

@@ -129,7 +129,7 @@ def test_cli_generates_after_training(run_dir, capsys):
     (["--prompt", "x", "--max-new-tokens", "1000000000000"], "--max-new-tokens (1000000000000) must be from 1 to"),
     (["--prompt", "x", "--seed", str(10 ** 23)], "--seed (100000000000000000000000) must fit in 64 bits"),
     (["--prompt", "ok \udcff"], "--prompt is not valid UTF-8 text (at character 3)"),
-    (["--prompt", "x", "--temperature", "-0.5"], "--temperature (-0.5) must be >= 0"),
+    (["--prompt", "x", "--temperature", "-0.5"], "--temperature (-0.5) must be a finite number >= 0"),
     (["--prompt", "x", "--top-p", "0"], "--top-p (0.0) must be in (0, 1]"),
     (["--prompt", "x", "--checkpoint", "99"], "no complete checkpoint at step 99"),
 ])

@@ -244,6 +244,8 @@ def _cmd_train(args) -> int:
     from moejax.train.profile import parse_window
 
     cfg = _resolve(args)
+    if not 0 <= args.peak_flops < float("inf"):  # NaN would also make run_info.json invalid JSON
+        raise ConfigError(f"--peak-flops ({args.peak_flops}) must be a finite FLOP/s >= 0 (0: measure it)")
     profile = parse_window(args.profile, cfg.train.steps) if args.profile is not None else None
     check_wandb(args.wandb)  # fail before any waiting, not after set-up
     _init_distributed(args)
@@ -297,8 +299,16 @@ def _alarm_lines(s: dict) -> list[str]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a flag's type or choice, an unknown flag) as every other user error: one line,
+    `moejax: error: ...`, exit 2, without the usage block. Subcommands' parsers are made of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"moejax: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moejax", description="Mixture-of-Experts pretraining on JAX")
+    p = _Parser(prog="moejax", description="Mixture-of-Experts pretraining on JAX")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("count", help="parameter and FLOP accounting of a preset")
@@ -451,7 +461,7 @@ def _joined_a_job() -> bool:
 
 def _main(argv: list[str] | None) -> int:
     # Before anything imports jax: subcommand modules may, and the device count is fixed at import.
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(prog="moejax", add_help=False)
     pre.add_argument("--mesh")
     pre.add_argument("--num-processes", type=int)
     try:

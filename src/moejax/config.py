@@ -27,6 +27,10 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+MAX_INT = 2**31  # every int field: sizes, steps and seeds reach jax as int32 (a larger one crashed mid-run)
+MAX_PREFETCH = 64  # batches the loader computes ahead: more only holds memory
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -187,7 +191,8 @@ class TrainConfig:
         _positive(self, "seq_len", "batch_size", "steps", "learning_rate", "log_every", "checkpoint_every",
                   "temp_checkpoint_minutes")
         # jax.random.key takes a non-negative int64, numpy's Generator (the data order) a non-negative int.
-        _require(0 <= self.seed < 2**63, f"seed ({self.seed}) must be in [0, 2**63)")
+        # jax (without x64) keeps a seed's low 32 bits: seed 2**32 made the same weights as seed 0
+        _require(0 <= self.seed < 2**32, f"seed ({self.seed}) must be in [0, 2**32)")
         _require(0.0 <= self.warmup_fraction < 1.0, f"warmup_fraction ({self.warmup_fraction}) must be in [0, 1)")
         _require(0.0 <= self.min_lr_fraction <= 1.0, f"min_lr_fraction ({self.min_lr_fraction}) must be in [0, 1]")
         _require(self.optimizer in ("adam", "hero"), f"optimizer ({self.optimizer!r}) must be 'adam' or 'hero'")
@@ -409,7 +414,7 @@ class DataConfig:
         _require(0.0 < self.cooldown_start < 1.0, f"data.cooldown_start ({self.cooldown_start}) must be in (0, 1)")
         _require(0.0 < self.heldout_fraction < 1.0,
                  f"data.heldout_fraction ({self.heldout_fraction}) must be in (0, 1)")
-        _require(self.prefetch >= 0, f"data.prefetch ({self.prefetch}) must be >= 0")
+        _require(0 <= self.prefetch <= MAX_PREFETCH, f"data.prefetch ({self.prefetch}) must be in [0, {MAX_PREFETCH}]")
 
     @property
     def weight_map(self) -> dict[str, float]:
@@ -473,6 +478,11 @@ class RunConfig:
     alarms: AlarmConfig = field(default_factory=AlarmConfig)
 
     def __post_init__(self):
+        for section in ("model", "train", "parallel", "data", "alarms"):  # sizes, steps, seeds: jax's int32
+            for f in fields(getattr(self, section)):
+                v = getattr(getattr(self, section), f.name)
+                _require(f.name == "seed" or not isinstance(v, int) or isinstance(v, bool) or abs(v) < MAX_INT,
+                         f"{section}.{f.name} ({v}) must be below 2**31")
         m, t, p = self.model, self.train, self.parallel
         _require(not m.attn_q_block or t.seq_len % m.attn_q_block == 0,
                  f"seq_len ({t.seq_len}) is not divisible by model.attn_q_block ({m.attn_q_block})")
@@ -512,7 +522,7 @@ _SECTIONS = {"model": ModelConfig, "train": TrainConfig, "parallel": ParallelCon
 ADAM_ONLY = ("learning_rate", "b1", "b2", "eps")
 
 
-def _coerce(cls: type, name: str, raw: str) -> Any:
+def _coerce(cls: type, section: str, name: str, raw: str) -> Any:
     ftype = {f.name: f.type for f in fields(cls)}[name]
     try:
         if ftype in ("int", int):
@@ -524,7 +534,7 @@ def _coerce(cls: type, name: str, raw: str) -> Any:
                 raise ValueError(raw)
             return raw.lower() in ("true", "1")
     except ValueError:
-        raise ConfigError(f"override {name}={raw!r} is not a valid {ftype}") from None
+        raise ConfigError(f"override {section}.{name}={raw!r} is not a valid {ftype}") from None
     return raw
 
 
@@ -539,7 +549,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                                        f"(one of {', '.join(_SECTIONS)})")
         cls = _SECTIONS[section]
         _require(name in {f.name for f in fields(cls)}, f"override {item!r}: {cls.__name__} has no field {name!r}")
-        changes.setdefault(section, {})[name] = _coerce(cls, name, raw)
+        changes.setdefault(section, {})[name] = _coerce(cls, section, name, raw)
     out = replace(cfg, **{s: replace(getattr(cfg, s), **kw) for s, kw in changes.items()})
     ignored = [f"train.{n}" for n in ADAM_ONLY if n in changes.get("train", {})]
     _require(out.train.optimizer != "hero" or not ignored,

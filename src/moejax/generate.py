@@ -53,8 +53,8 @@ def check_options(max_new_tokens: int, temperature: float, top_p: float, seed: i
         raise ConfigError(f"--max-new-tokens ({max_new_tokens}) must be from 1 to {MAX_NEW_TOKENS:,}")
     if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise ConfigError(f"--seed ({seed}) must fit in 64 bits (from -2**63 to 2**63 - 1)")
-    if not temperature >= 0:
-        raise ConfigError(f"--temperature ({temperature}) must be >= 0 (0 = greedy)")
+    if not 0 <= temperature < float("inf"):
+        raise ConfigError(f"--temperature ({temperature}) must be a finite number >= 0 (0 = greedy)")
     if not 0 < top_p <= 1:
         raise ConfigError(f"--top-p ({top_p}) must be in (0, 1]")
 

@@ -32,9 +32,12 @@ def _parse_widths(text: str | None):
     if not text:
         return None
     try:
-        return [int(w) for w in text.split(",") if w.strip()]
+        widths = [int(w) for w in text.split(",") if w.strip()]
     except ValueError:
-        raise ConfigError(f"--widths {text!r} is not a comma-separated list of integers") from None
+        widths = []
+    if not widths:  # "," named no width: not "all of them"
+        raise ConfigError(f"--widths {text!r} is not a comma-separated list of integers")
+    return widths
 
 
 def _cmd_ladder_run(args) -> int:

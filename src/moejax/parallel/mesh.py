@@ -40,7 +40,7 @@ def parse_mesh(text: str) -> dict[str, int]:
     out = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, sep, value = item.partition("=")
-        if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+        if not sep or name not in MESH_AXES or not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ConfigError(f"--mesh item {item!r} is not AXIS=N with AXIS one of {', '.join(MESH_AXES)} and N >= 1")
         if name in out:
             raise ConfigError(f"--mesh {text!r} gives {name} twice ({out[name]} and {value})")
