@@ -9,9 +9,10 @@ KV-head rule; top-2 and TINY's vocab/window kept). Per model, in one process:
   the two kinds of step alternate and load from other jobs on a shared machine hits both alike. Reported: median
   step time of each kind, their ratio, and how many after-save steps *started* with the save still in flight
   (no completion marker yet): only those can be slowed down, so their median and ratio are shown too.
-- then one save with nothing running: time for `save()` to return (the blocking part: the arrays' checksums,
-  orbax's device->host copy and the metadata write; the checksums alone are timed again after it) and for `wait()` to return (array write + COMMITTED marker), both measured from
-  the `save()` call, and the bytes of its step directory on disk;
+- then one save with nothing running: time for `save()` to return (the blocking part: the arrays' checksums, orbax's
+  device->host copy and the metadata write; the checksums alone are timed again after it) and for `wait()` to return
+  (array write + COMMITTED marker), both measured from the `save()` call, and the bytes of its step directory on
+  disk;
 - then `restore()` of that newest checkpoint into an abstract state (ShapeDtypeStructs), blocked on, and checked
   equal to the live state; the last round's checkpoint (whose arrays were donated to the next step right after
   `save()` returned) is restored too and checked against a host copy taken before that save.
@@ -119,7 +120,8 @@ def bench_model(cfg, batches: list[dict], steps: int, rounds: int) -> dict:
         del donated, snapshot
 
     return {"state_bytes": tree_bytes(state), "params": sum(x.size for x in jax.tree.leaves(state.params)),
-            "compile_s": compile_s, "save_s": save_s, "checksum_s": checksum_s, "complete_s": complete_s, "restore_s": restore_s,
+            "compile_s": compile_s, "save_s": save_s, "checksum_s": checksum_s, "complete_s": complete_s,
+            "restore_s": restore_s,
             "disk": disk, "base": base, "after": after, "flight": flight, "save_calls": save_calls,
             "ok": ok_live and ok_donated, "ok_live": ok_live, "ok_donated": ok_donated}
 
@@ -163,7 +165,8 @@ def main() -> None:
         m, t = cfg.model, cfg.train
         name = f"{cfg.name} (d{m.d_model}, L{m.n_layers}, E{m.n_experts}, batch {t.batch_size}x{t.seq_len})"
         print(f"| {name} | {r['params'] / 1e6:.1f}M | {r['state_bytes'] / 2**20:.1f} | {r['disk'] / 2**20:.1f} | "
-              f"{r['save_s']:.3f} | {r['checksum_s']:.3f} | {r['complete_s']:.3f} | {r['restore_s']:.3f} | {1e3 * b:.1f} | {1e3 * a:.1f} | "
+              f"{r['save_s']:.3f} | {r['checksum_s']:.3f} | {r['complete_s']:.3f} | {r['restore_s']:.3f} | "
+              f"{1e3 * b:.1f} | {1e3 * a:.1f} | "
               f"{a / b:.3f} | {sum(r['flight'])}/{len(r['after'])} | {fm} | {'yes' if r['ok'] else 'NO'} |")
     print()
     for cfg, r, wall in rows:

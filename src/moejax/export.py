@@ -193,8 +193,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process
-        return True
+    except PermissionError:  # someone else's process: alive
+        pass
     return True
 
 

@@ -329,7 +329,8 @@ def _summary_damage(s: dict) -> str | None:
     for key, kind in kinds.items():
         ok = (lambda v: isinstance(v, kind) and not isinstance(v, bool)) if isinstance(kind, type) else kind
         if key in s and not ok(s[key]):
-            return f"{key} is {s[key]!r}, not {'an integer' if kind is int else 'a string' if kind is str else 'a number'}"
+            what = {int: "an integer", str: "a string"}.get(kind, "a number")
+            return f"{key} is {s[key]!r}, not {what}"
     if s["tokens_per_second"] is not None and not _number(s["tokens_per_second"]):
         return f"tokens_per_second is {s['tokens_per_second']!r}, not a number"
     if ("eval/loss" in s) != ("eval/bpb" in s):
