@@ -269,15 +269,13 @@ def load_export(path: str | Path) -> tuple[ModelConfig, Transformer, dict]:
 def _check_checksums(path: Path, config: dict, tensors: dict) -> None:
     """The tensors are what was exported (`state_checksum`, as checkpoints have it); exports made before
     checksums load unchecked."""
-    if "checksums" not in config:
-        return
-    saved = config["checksums"]
-    if not isinstance(saved, dict):
-        raise ExportError(f"{path / CONFIG}'s checksums are {type(saved).__name__}, not a map of tensor to checksum")
-    if bad := state_checksum.mismatches(saved, tensors):
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise ExportError(f"{path} is damaged: tensor {bad[0]}{more} changed on disk since it was exported "
-                          f"(its checksum differs from {CONFIG}'s)")
+    try:
+        bad = state_checksum.mismatches(config.get("checksums"), tensors)
+    except TypeError as e:
+        raise ExportError(f"{path / CONFIG}'s checksums are {e}, not a map of tensor to checksum") from None
+    if bad:
+        raise ExportError(f"{path} is damaged: tensor {state_checksum.named(bad)} changed on disk since it was "
+                          f"exported (its checksum differs from {CONFIG}'s)")
 
 
 def check_export(path: str | Path, model_config: dict) -> None:

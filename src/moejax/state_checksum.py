@@ -70,11 +70,21 @@ def checksums(tree) -> dict[str, str]:
     return {n: f"{a:08x}:{b:08x}" for n, (a, b) in sorted(sums.items())}
 
 
-def mismatches(saved: dict[str, str], tree) -> list[str]:
-    """The leaves of `tree` whose checksums differ from `saved`'s (leaves `saved` lacks are not checked: a
-    checkpoint written before checksums, or a zero-size leaf)."""
+def mismatches(saved, tree) -> list[str]:
+    """The leaves of `tree` whose checksums differ from `saved`'s, a `checksums` entry read back from JSON
+    (leaves it lacks are not checked: a zero-size leaf). None (written before checksums) checks nothing; any
+    other non-map is damage, not "unchecked": TypeError naming its type."""
+    if saved is None:
+        return []
+    if not isinstance(saved, dict):
+        raise TypeError(type(saved).__name__)
     now = checksums(tree)
     return [n for n, c in now.items() if n in saved and saved[n] != c]
+
+
+def named(bad: list[str]) -> str:
+    """"w" or "w and 2 more": the first mismatching leaf, for one error line."""
+    return bad[0] + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
 
 
 def _host_resident(x) -> bool:
