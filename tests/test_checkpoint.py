@@ -311,6 +311,51 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, caplog, damage):
     assert len(warnings) == 1 and "step_00000020" in warnings[0] and "\n" not in warnings[0]
 
 
+def test_a_truncated_data_file_is_its_one_line_and_nothing_after(tmp_path):
+    """orbax's other read coroutines fail with the one that is reported, and printed ~125 lines of tracebacks
+    and tensorstore specs at exit (docs/LOG.md, thirty-seventh session); the line names the array and why."""
+    script = textwrap.dedent("""
+        import logging, os, sys
+        from pathlib import Path
+        import jax.numpy as jnp, numpy as np
+        from moejax import checkpoint as ck
+        logging.basicConfig(format="%(levelname)s %(message)s")
+        run = Path(sys.argv[1])
+        noise = [np.random.default_rng(i).standard_normal(4096, np.float32) for i in range(8)]  # incompressible
+        state = lambda s: {f"w{i}": jnp.asarray(x) + s for i, x in enumerate(noise)}
+        with ck.CheckpointManager(run, permanent_every=1) as mgr:
+            mgr.save(10, state(10))
+            mgr.save(20, state(20))
+        big = max((run / "checkpoints/step_00000020/state").glob("ocdbt.process_*/d/*"), key=lambda f: f.stat().st_size)
+        os.truncate(big, big.stat().st_size // 2)
+        restored, meta = ck.restore_latest(run, state(0))
+        print("restored", meta["step"], float(restored["w1"][0] - noise[1][0]))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": subprocess_xla_flags()}
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["restored", "10", "10.0"], proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr[:3000]
+    assert "step_00000020: restore failed" in lines[0] and "OUT_OF_RANGE" in lines[0] and "TensorStore(" not in lines[0]
+
+
+def test_one_line_names_the_cause_of_orbaxs_read_error_without_the_spec():
+    try:
+        try:
+            raise ValueError('OUT_OF_RANGE: Error reading "w2/0": Requested byte range [0, 9) is not valid')
+        except ValueError as cause:
+            raise Exception("Encountered error while reading array index: (slice(0, 9, 1),). See full TensorStore "
+                            "details: <bound method spec of TensorStore({\n  'base': {}\n})>.") from cause
+    except Exception as e:
+        line = ck.one_line(e)
+    assert line == ("Exception: Encountered error while reading array index: (slice(0, 9, 1),) (from ValueError: "
+                    'OUT_OF_RANGE: Error reading "w2/0": Requested byte range [0, 9) is not valid)')
+    assert ck.one_line(ValueError("a\nb [tensorstore_spec {...}]")) == "ValueError: a / b"
+    long = ck.one_line(OSError("x" * 1000 + " No space left on device"))
+    assert len(long) <= 605 and long.endswith("No space left on device")
+
+
 def _flip_bits(step_dir, n: int, seed: int = 0) -> None:
     """`n` single bits flipped at random in the checkpoint's largest data file: bit rot, as a disk or a copy
     leaves it. orbax restored every such checkpoint silently (30 of 30 flips, docs/LOG.md thirty-sixth session)."""

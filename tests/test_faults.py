@@ -8,6 +8,7 @@ compiles faster than the hero optimizer's, and 8 steps: the schedule's length is
 compiled step), so three compilations serve every run here."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,10 +30,15 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("xla-cache")
 
 
-def train(cache, run_dir, *args, fault_env=None, fsize_kib=None):
+ENTRY = "import sys; from moejax.entry import main; sys.argv = ['moejax', *sys.argv[1:]]; sys.exit(main())"
+
+
+def train(cache, run_dir, *args, fault_env=None, fsize_kib=None, command=False):
+    """`python -m moejax.cli train ...`; `command`: as the `moejax` console script (`moejax.entry`) runs it."""
     env = bench_module("fault_injection").env(cache)
     env.update(fault_env or {})
-    cmd = [sys.executable, "-m", "moejax.cli", "train", "--run-dir", str(run_dir), *SMALL, *args]
+    cli = ["-c", ENTRY] if command else ["-m", "moejax.cli"]
+    cmd = [sys.executable, *cli, "train", "--run-dir", str(run_dir), *SMALL, *args]
     if fsize_kib:  # RLIMIT_FSIZE via the shell (no preexec_fn: forking this multithreaded process is unsafe)
         cmd = ["bash", "-c", f'ulimit -f {fsize_kib} && exec "$@"', "bash", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
@@ -99,8 +105,7 @@ def test_sigterm_while_the_command_imports_jax_exits_75(tmp_path, cache):
     """The `moejax` command's import of the CLI (jax, ~1 s) came before any handler: a SIGTERM there exited 143,
     which a launcher that requeues on 75 would not requeue (found by a fuzzer, docs/LOG.md thirty-fifth session)."""
     env = {**bench_module("fault_injection").env(cache), "MOEJAX_FAULT_SIGTERM_AT_IMPORT": "1"}
-    code = "import sys; from moejax.entry import main; sys.argv = ['moejax', *sys.argv[1:]]; sys.exit(main())"
-    r = subprocess.run([sys.executable, "-c", code, "train", "--run-dir", str(tmp_path / "run"), *SMALL],
+    r = subprocess.run([sys.executable, "-c", ENTRY, "train", "--run-dir", str(tmp_path / "run"), *SMALL],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stderr[-2000:])
     assert r.stderr.strip() == "moejax: preempted (SIGTERM) while starting; nothing to save; run the same command again"
@@ -158,6 +163,25 @@ def test_full_disk_while_checkpointing_is_one_line(tmp_path, cache):
     # waiting for a save, is tested in test_checkpoint (the failure's latency here depends on the load).
     assert max(_steps(run)) <= 3
     assert [c.step for c in list_checkpoints(run) if c.complete] == []
+
+
+def test_a_truncated_checkpoint_is_one_warning_and_the_run_resumes_before_it(tmp_path, cache):
+    """A data file cut short behind an intact COMMITTED marker (a copy or a disk that lost its tail): the
+    resume falls back to the checkpoint before it with one `moejax: warning:` line naming the array and why,
+    where it printed ~30 asyncio tracebacks and tensorstore specs (docs/LOG.md, thirty-seventh session)."""
+    run = tmp_path / "run"
+    r = train(cache, run, "--steps", "8", "--set", "train.checkpoint_every=2", fault_env={"MOEJAX_FAULT_KILL": "step:6"})
+    assert r.returncode == -9 and [c.step for c in list_checkpoints(run) if c.complete] == [2, 4], r.stderr[-2000:]
+    data = (run / "checkpoints" / "step_00000004" / "state").glob("ocdbt.process_*/d/*")
+    big = max(data, key=lambda f: f.stat().st_size)
+    os.truncate(big, big.stat().st_size // 2)
+    r = train(cache, run, "--steps", "8", "--set", "train.checkpoint_every=2", command=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning, resuming = r.stderr.splitlines()  # and nothing else
+    assert warning.startswith("moejax: warning: checkpoint unusable, falling back to an older one: ")
+    assert "step_00000004: restore failed" in warning and "OUT_OF_RANGE" in warning and " ... " not in warning
+    assert resuming == f"moejax: resuming {run} at step 2 of 8"
+    assert _steps(run) == list(range(8))  # the rows of steps 2-5 that the resume redid are written once
 
 
 def test_nan_weights_are_never_committed(tmp_path, cache):

@@ -41,13 +41,14 @@ Notable choices and where they come from:
   sums of each array (`state_checksum`), taken at save, compared after every restore (orbax checks none).
 - A failed background save is reported at the next `poll()` (every step), as one line: orbax's own
   multi-hundred-line error logs of that failure are filtered out (`_QuietOrbaxErrors`), and so is the
-  aftermath printed at exit (`_drop_failed_write_aftermath`): "Event loop is closed" tracebacks from
+  aftermath printed at exit (`_drop_failed_io_aftermath`): "Event loop is closed" tracebacks from
   tensorstore's late write callbacks, and asyncio's "exception was never retrieved" for orbax's write
   futures. Every other error still prints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -311,12 +312,22 @@ def abstract_target(abstract_state: Any, shardings: Any = None) -> Any:
     return jax.tree.map(leaf, abstract_state, shardings)
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    line = " / ".join(t.strip() for t in str(e).strip().splitlines() if t.strip())
-    line = line.split(" [tensorstore_spec")[0]  # tensorstore appends kilobytes of JSON spec
+def one_line(e: BaseException, limit: int = 600) -> str:
+    """An orbax/tensorstore error as one line. orbax's read error ("Encountered error while reading array
+    index: ...") says neither which array nor why; its cause does (`OUT_OF_RANGE: Error reading "embed/0.0"
+    ...: Requested byte range ... is not valid for value of size 1000`), so the cause is appended."""
+
+    def text(x: BaseException) -> str:
+        t = " / ".join(ln.strip() for ln in str(x).strip().splitlines() if ln.strip())
+        for spec in (" [tensorstore_spec", ". See full TensorStore details"):  # kilobytes of JSON spec follow
+            t = t.split(spec)[0]
+        return f"{type(x).__name__}: {t}"
+
+    line, cause = text(e), e.__cause__
+    if cause is not None and text(cause).split(": ", 1)[1] not in line:
+        line += f" (from {text(cause)})"
     # Too long: keep both ends, since the OS reason (e.g. "No space left on device") comes last.
-    line = line if len(line) <= limit else line[: limit // 2] + " ... " + line[-limit // 2:]
-    return f"{type(e).__name__}: {line}"
+    return line if len(line) <= limit else line[: limit // 2] + " ... " + line[-limit // 2:]
 
 
 def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = None, *,
@@ -333,12 +344,10 @@ def restore(step_dir: str | os.PathLike, abstract_state: Any, shardings: Any = N
     if model_config is not None and "model_config" in meta:
         check_compatible(meta["model_config"], model_config, ignore=ignore)
     target = abstract_target(abstract_state, shardings)
-    try:
+    with reading(step_dir):
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
             state = with_empty(target, ckptr.restore(step_dir / STATE,
                                                       args=ocp.args.StandardRestore(without_empty(target))))
-    except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
-        raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
     check_checksums(step_dir, meta, state)
     return state, meta
 
@@ -428,7 +437,7 @@ class CheckpointManager:
         self._completed: set[int] = set()  # steps this manager saved and committed
         self._last_checksums: tuple[int | None, dict] = (None, {})
         self._quiet = _QuietOrbaxErrors().install()
-        _drop_failed_write_aftermath()
+        _drop_failed_io_aftermath()
 
     # -- policy
 
@@ -536,7 +545,7 @@ class CheckpointManager:
             self._commit_thread = None
         if self._commit_error is not None:
             err, self._commit_error = self._commit_error, None
-            raise CheckpointError(f"checkpoint save failed: {_one_line(err)}") from err
+            raise CheckpointError(f"checkpoint save failed: {one_line(err)}") from err
 
     def _await_every_commit(self) -> None:
         """Wait until no process's save is running, in COMMIT_POLL_S slices, each ending in a collective that
@@ -607,18 +616,42 @@ class CheckpointManager:
 ORBAX_TMP = "orbax-checkpoint-tmp"  # in the name of the directory orbax writes a save into before its rename
 
 
-def _drop_failed_write_aftermath() -> None:
-    """Install (once, process-wide) two filters for what a failed async save prints long after its one
-    CheckpointError line, much of it at exit: each of tensorstore's pending write callbacks raises
-    RuntimeError("Event loop is closed") into orbax's closed event loop (an unraisable exception, 7 lines
-    apiece, hundreds in all), and asyncio logs "exception was never retrieved" (with a traceback) for
-    each of orbax's failed write futures."""
+_FAILED_READS: set[str] = set()  # state dirs (absolute) whose restore failed and was reported in one line
+
+
+@contextlib.contextmanager
+def reading(step_dir: Path):
+    """Around one orbax restore of `step_dir` (absolute): a failure becomes one CheckpointError line, and
+    what the failed read prints afterwards is dropped (`_drop_failed_io_aftermath`): orbax's other read
+    coroutines fail too, each with a traceback holding the tensorstore spec, which names the dir."""
+    _drop_failed_io_aftermath()
+    try:
+        yield
+    except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
+        _FAILED_READS.add(str(step_dir / STATE))
+        raise CheckpointError(f"{step_dir}: restore failed: {one_line(e)}") from e
+
+
+def _names_a_failed_read(exc: BaseException | None) -> bool:
+    return exc is not None and any(d in str(exc) for d in _FAILED_READS)
+
+
+def _drop_failed_io_aftermath() -> None:
+    """Install (once, process-wide) two filters for what a failed async save or restore prints long after
+    its one CheckpointError line, much of it at exit:
+    - each of tensorstore's pending callbacks raises RuntimeError("Event loop is closed") into orbax's
+      closed event loop (an unraisable exception, 7 lines apiece, hundreds in all);
+    - a failed restore's other read coroutines are collected with their own errors (unraisable too);
+    - asyncio logs "exception was never retrieved" (with a traceback) for each of orbax's failed futures.
+    One truncated data file printed ~30 such tracebacks after its line (docs/LOG.md, thirty-sixth session)."""
     prev = sys.unraisablehook
     if getattr(prev, "_moejax", False):
         return
 
     def hook(u) -> None:
         if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            return
+        if _names_a_failed_read(u.exc_value):
             return
         prev(u)
 
@@ -629,12 +662,12 @@ def _drop_failed_write_aftermath() -> None:
 
 def _unretrieved_orbax_failure(record: logging.LogRecord) -> bool:
     """False (drop) for asyncio's "exception was never retrieved" of a future that failed inside orbax: its
-    traceback passes through orbax, or (a tensorstore write future, whose traceback may hold no Python frame) its
-    error names the checkpoint's temporary directory. Seen in 1 of 2 clean-clone suites (docs/LOG.md, thirty-fifth
-    session): three such records after the save's one line."""
+    traceback passes through orbax, or (a tensorstore future, whose traceback may hold no Python frame) its
+    error names the checkpoint's temporary directory or a failed restore's. Seen in 1 of 2 clean-clone suites
+    (docs/LOG.md, thirty-fifth session): three such records after the save's one line."""
     if "exception was never retrieved" not in str(record.msg):
         return True
-    if record.exc_info and ORBAX_TMP in str(record.exc_info[1]):
+    if record.exc_info and (ORBAX_TMP in str(record.exc_info[1]) or _names_a_failed_read(record.exc_info[1])):
         return False
     tb = record.exc_info[2] if record.exc_info else None
     while tb is not None:

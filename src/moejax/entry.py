@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 
@@ -12,8 +13,25 @@ from moejax import faults
 from moejax.hostmem import exec_with_host_memory
 
 
+class _MoejaxLines(logging.Handler):
+    """moejax's own log records (a resume falling back past a damaged checkpoint) as its other messages read,
+    `moejax: warning: ...`, not the root logger's `WARNING:moejax.checkpoint:...` (the handler absl's first log
+    record installs with logging.basicConfig). A process-wide choice, so here and not in `cli.main`, which tests
+    call in-process (their caplog listens at the root)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"moejax: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr)
+
+    @classmethod
+    def install(cls) -> None:
+        logger = logging.getLogger("moejax")
+        logger.addHandler(cls(logging.WARNING))
+        logger.propagate = False
+
+
 def main() -> int:
     exec_with_host_memory()
+    _MoejaxLines.install()
     # `train` exits 75 on a SIGTERM before it has anything to save (`cli.main`), but importing the CLI (jax) takes
     # ~1 s before that handler exists: a launcher's SIGTERM then killed it with 143, which it wouldn't requeue.
     noted: list[int] = []

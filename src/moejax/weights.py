@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from moejax.checkpoint import (MARKER, METADATA, STATE, CheckpointError, IncompatibleCheckpointError, check_checksums,
-                               check_compatible, list_checkpoints, with_empty, without_empty)
+                               check_compatible, list_checkpoints, one_line, reading, with_empty, without_empty)
 from moejax.config import ConfigError, RunConfig
 from moejax.model.transformer import Transformer
 from moejax.train.state import compute_copy
+
 
 class WeightsError(ConfigError):
     """A run dir, checkpoint or export that cannot be used; the message is one line (exit 2)."""
@@ -63,11 +64,6 @@ def choose_checkpoints(run_dir: Path, step: int | None) -> list[Path]:
     return match
 
 
-def _one_line(e: BaseException) -> str:
-    text = " / ".join(t.strip() for t in str(e).strip().splitlines() if t.strip()).split(" [tensorstore_spec")[0]
-    return f"{type(e).__name__}: {text[:300]}"
-
-
 def restore_weights(step_dir: Path, cfg: RunConfig, which: str = "compute") -> Transformer:
     """`which` ("compute": compute-dtype copy with the fp32 router bias, "params": fp32 master) on the
     default device. Raises CheckpointError (one line) when the checkpoint cannot be used."""
@@ -77,7 +73,7 @@ def restore_weights(step_dir: Path, cfg: RunConfig, which: str = "compute") -> T
     try:
         meta = json.loads((step_dir / METADATA).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{step_dir}: unreadable {METADATA}: {_one_line(e)}") from None
+        raise CheckpointError(f"{step_dir}: unreadable {METADATA}: {one_line(e)}") from None
     if "model_config" in meta:
         check_compatible(meta["model_config"], dataclasses.asdict(cfg.model))
     model = jax.eval_shape(lambda k: Transformer.init(cfg.model, k), jax.random.key(0))
@@ -88,11 +84,9 @@ def restore_weights(step_dir: Path, cfg: RunConfig, which: str = "compute") -> T
     saved = without_empty(target)  # zero-size arrays (model.n_shared=0) were never saved: put back below
     args = ocp.args.PyTreeRestore(item=saved, restore_args=ocp.checkpoint_utils.construct_restore_args(saved),
                                   partial_restore=True)
-    try:
+    with reading(step_dir):
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
             out = ckptr.restore(step_dir / STATE, args=args)
-    except Exception as e:  # orbax/tensorstore raise many types; all mean "this one is unusable"
-        raise CheckpointError(f"{step_dir}: restore failed: {_one_line(e)}") from e
     check_checksums(step_dir, meta, out)  # the leaves read, named as in the whole state ("params/…")
     return with_empty(target, out)[which]
 
