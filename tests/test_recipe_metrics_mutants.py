@@ -24,7 +24,7 @@ from moejax.model.transformer import Transformer, model_loss
 from moejax.report import FIGURES
 from moejax.train.alarms import Alarms
 from moejax.train.loop import _throughput, evaluate
-from moejax.train.monitor import COMPILE_STEPS, RunTotals, StepLog
+from moejax.train.monitor import COMPILE_STEPS, SEGMENT_KEY, RunTotals, StepLog
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import differentiated_copy, init_state
 from moejax.train.step import make_eval_step, make_train_step, moe_metrics
@@ -219,6 +219,22 @@ def test_a_restarts_first_steps_are_left_out_of_the_throughput(tmp_path):
     s = log.summary("x", 16)
     assert s["tokens_per_second"] == np.median(tps[COMPILE_STEPS:])
     assert s["mfu"] == pytest.approx(np.median(tps[COMPILE_STEPS:]) / 1e4, rel=1e-12)
+    rows = list(read_metrics(tmp_path))
+    assert [r[SEGMENT_KEY] for r in rows] == list(range(len(tps)))
+
+
+def test_a_restarts_first_steps_are_left_out_of_the_rebuilt_throughput_too():
+    """RunTotals.from_rows over two segments (a resume at step 6): the second segment's first COMPILE_STEPS rows
+    (slow: it compiled again) stay out of the median, as they do while it runs; they used to count, since only
+    the run's own first steps were known (docs/LOG.md, thirty-seventh session). Rows written before SEGMENT_KEY
+    existed still leave out the run's first steps."""
+    tps = [1.0, 2.0, 100.0, 110.0, 120.0, 130.0, 3.0, 4.0, 140.0, 150.0, 160.0, 170.0]
+    rows = [{"step": s, "train/loss": 5.0, "throughput/tokens_per_second": t, "throughput/mfu": t / 1e4,
+             SEGMENT_KEY: s % 6} for s, t in enumerate(tps)]
+    steady = [t for s, t in enumerate(tps) if s % 6 >= COMPILE_STEPS]
+    assert RunTotals.from_rows(rows).summary("x", 12, 0.0)["tokens_per_second"] == np.median(steady)
+    old = [{k: v for k, v in r.items() if k != SEGMENT_KEY} for r in rows]
+    assert RunTotals.from_rows(old).summary("x", 12, 0.0)["tokens_per_second"] == np.median(tps[COMPILE_STEPS:])
 
 
 # ---- grad-norm alarm ---------------------------------------------------------------------------------------

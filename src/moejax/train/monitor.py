@@ -29,6 +29,7 @@ from moejax.train.alarms import LOAD_KEY, ROW_KEY, Alarm, Alarms, alarm_fields
 THROUGHPUT_WINDOW = 1024  # the summary's tokens/s and MFU: median over the most recent this-many steady steps
 COMPILE_STEPS = 2  # the first steps of every (re)start are compile-dominated: left out of the throughput
 WALL_KEY = "time/wall_seconds"  # seconds of training so far, summed over restarts
+SEGMENT_KEY = "time/segment_step"  # steps this process ran before this one: 0 at the start and at every restart
 EVAL_KEY = "eval/loss"  # in a row: an evaluation ran at that step
 LAST_KEYS = ("train/loss", "moe/drop_fraction", EVAL_KEY, "eval/bpb", "eval_dropless/loss", "eval_dropless/bpb")
 
@@ -83,7 +84,10 @@ class RunTotals:
         a time: an iterator keeps this O(1) in memory too."""
         totals = cls()
         for row in rows:
-            totals.add(int(row["step"]), row, steady=int(row["step"]) >= COMPILE_STEPS)
+            # a row of a restart's first steps is compile-dominated too; rows of runs before SEGMENT_KEY
+            # existed know only the run's own start
+            since_start = _finite(row.get(SEGMENT_KEY, row["step"]))
+            totals.add(int(row["step"]), row, steady=since_start is not None and since_start >= COMPILE_STEPS)
             if (wall := _finite(row.get(WALL_KEY))) is not None:
                 totals.wall_before = wall
         return totals
@@ -129,6 +133,7 @@ class StepLog:
         """Add the step to the totals and write its row if one is due (`metrics` gains the wall clock)."""
         t = self.train
         metrics[WALL_KEY] = self.totals.wall_before + time.perf_counter() - self._t0
+        metrics[SEGMENT_KEY] = self._steps
         self.totals.add(step, metrics, steady=self._steps >= COMPILE_STEPS)
         self._steps += 1
         with_load = load_LE is not None and t.load_log_every > 0 and (last or step % t.load_log_every == 0)
