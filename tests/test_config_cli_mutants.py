@@ -326,6 +326,10 @@ def test_summary_prints_percentages_the_eval_row_and_each_alarms_first_and_last(
     (["train", "--run-dir", "x", "--peak-flops", "nan"], "--peak-flops (nan) must be a finite FLOP/s >= 0"),
     (["train", "--run-dir", "x", "--peak-flops", "-5"], "--peak-flops (-5.0) must be a finite FLOP/s >= 0"),
     (["ladder", "run", "--out", "x", "--widths", ","], "--widths ',' is not a comma-separated list of integers"),
+    # an empty --mesh ("$MESH" unset) trained on the default layout; an absurd --mfu planned 10^300 days
+    (["train", "--run-dir", "x", "--mesh", ""], "--mesh '' names no axis"),
+    (["plan", "tiny", "--mesh", " , "], "--mesh ' , ' names no axis"),
+    (["plan", "tiny", "--mesh", "data=1", "--mfu", "1e-308"], "--mfu (1e-308) must be in [0.0001, 1]"),
 ])
 def test_every_user_error_is_one_line(argv, words, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -59,7 +59,7 @@ def _resolve(args):
 def _default_mesh(cfg, args):
     """Without --mesh, a one-device preset trains data-parallel on every device of the job
     (`mesh.default_data_parallel`); config.json records the mesh used (parallel.data)."""
-    if args.mesh:
+    if args.mesh is not None:
         return cfg
     import jax
 
@@ -368,7 +368,7 @@ def _backends_started() -> bool:
 def _ensure_host_devices(args) -> None:
     """On CPU, a mesh of N devices needs N forced host devices, which must be set before jax's backend starts.
     The flag only affects the host platform, so it is harmless on GPU/TPU machines."""
-    if getattr(args, "mesh", None) and FORCED_HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    if getattr(args, "mesh", None) is not None and FORCED_HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
         import math
 
         n = math.prod(parse_mesh(args.mesh).values()) // max(1, getattr(args, "num_processes", None) or 1)

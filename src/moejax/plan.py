@@ -38,6 +38,7 @@ from moejax.parallel.mesh import BATCH_AXES, MESH_AXES, abstract_mesh
 
 GB = 1e9
 DEFAULT_MFU = 0.225
+MIN_MFU = 1e-4  # `plan --mfu`: 0.01%
 STREAM_BLOCK = 16_384  # vocab block assumed for the "lean" estimate (model.loss_vocab_block)
 
 
@@ -211,8 +212,8 @@ def phase_numbers(cfg: RunConfig, cluster: Cluster, fixed_hbm: float, tokens_per
 
 def plan(cfg: RunConfig, cluster: Cluster, mfu: float = DEFAULT_MFU) -> dict:
     check_cluster(cfg, cluster)
-    if not 0 < mfu <= 1:
-        raise ConfigError(f"--mfu ({mfu}) must be in (0, 1]")
+    if not MIN_MFU <= mfu <= 1:  # below MIN_MFU the times are no plan (1e-308 printed 10^300 days)
+        raise ConfigError(f"--mfu ({mfu}) must be in [{MIN_MFU}, 1]")
     m, t, p = cfg.model, cfg.train, cfg.parallel
     T = t.tokens_per_step // p.batch_shards
     mem = memory_numbers(cfg)
@@ -327,7 +328,7 @@ def format_plan(r: dict) -> str:
               f"  {'total':<40}{g(r['host_needed']):>14}  of {g(r['host_per_device'])}",
               "compute",
               f"  FLOPs per step 3 x {r['fwd_flops_per_token']:.4g} x {r['tokens_per_step']:,} = {r['flops_per_step']:.4g}",
-              f"  step time at {100 * r['mfu']:.1f}% MFU: {r['step_time_s']:.2f} s; {r['steps']:,} steps = "
+              f"  step time at {100 * r['mfu']:.3g}% MFU: {r['step_time_s']:.2f} s; {r['steps']:,} steps = "
               f"{r['days']:.1f} days ({24 * r['days']:,.1f} h); {r['tokens']:.4g} tokens; {r['train_flops']:.4g} FLOPs",
               verdict(r)]
     return "\n".join(lines)

@@ -95,7 +95,7 @@ def _cmd_plan(args) -> int:
     if args.phase is not None and not (args.lower or args.compile):
         raise ConfigError(f"--phase {args.phase} needs --lower or --compile (the plan itself covers every phase)")
     cluster = CLUSTERS[args.cluster]
-    if not args.mesh:  # as `train` lays it out on the cluster's devices
+    if args.mesh is None:  # as `train` lays it out on the cluster's devices
         from moejax.parallel.mesh import default_data_parallel
 
         cfg = default_data_parallel(cfg, cluster.n_devices)

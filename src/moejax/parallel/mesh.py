@@ -45,6 +45,9 @@ def parse_mesh(text: str) -> dict[str, int]:
         if name in out:
             raise ConfigError(f"--mesh {text!r} gives {name} twice ({out[name]} and {value})")
         out[name] = int(value)
+    if not out:  # `--mesh "$MESH"` with MESH unset: say so, rather than train on the default layout
+        raise ConfigError(f"--mesh {text!r} names no axis: give AXIS=N items ({', '.join(MESH_AXES)}), or leave "
+                          "--mesh out for the default layout")
     return out
 
 
@@ -64,7 +67,7 @@ def default_data_parallel(cfg, n_devices: int):
 def mesh_overrides(mesh: str | None) -> list[str]:
     """`--mesh data=2,expert=4` as `parallel.*` overrides (omitted axes = 1), applied with the `--set` ones
     in one step, so the layout is validated once, with the final mesh (e.g. context-parallel degrees)."""
-    if not mesh:
+    if mesh is None:
         return []
     axes = {**{name: 1 for name in MESH_AXES}, **parse_mesh(mesh)}
     return [f"parallel.{k}={v}" for k, v in axes.items()]
