@@ -160,7 +160,8 @@ def register(sub) -> None:
     pl = sub.add_parser("plan", help="devices, mesh, memory, transport and time of a preset on a cluster")
     pl.add_argument("preset", help=f"one of {', '.join(PRESET_NAMES)}")
     pl.add_argument("--cluster", default=DEFAULT_CLUSTER, help="gb200-nvl72x11 | h100x8 | h200x1")
-    pl.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation for the step time")
+    pl.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                    help="model FLOPs utilisation for the step time, in [0.0001, 1]")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--lower", action="store_true", help="lower (no compile, no run) the train step on the mesh")
     pl.add_argument("--compile", action="store_true",
