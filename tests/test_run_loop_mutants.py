@@ -320,6 +320,20 @@ def test_the_console_script_sets_up_host_memory_before_the_cli(monkeypatch):
     assert entry.main() == 0 and calls == ["hostmem", "cli"]
 
 
+def test_the_console_script_prints_moejaxs_warnings_as_its_other_lines(monkeypatch, capsys):
+    """A resume's fallback warning printed as `WARNING:moejax.checkpoint:...` (the root handler absl installs) where
+    every other message reads `moejax: warning: ...`; for the command's duration only, so in-process callers
+    (caplog at the root) see the records as before."""
+    import logging
+
+    before = (list(logging.getLogger("moejax").handlers), logging.getLogger("moejax").propagate)
+    monkeypatch.setattr(entry, "exec_with_host_memory", lambda: None)
+    monkeypatch.setattr(cli, "main", lambda: logging.getLogger("moejax.checkpoint").warning("fell back: %s", 7) or 0)
+    assert entry.main() == 0
+    assert capsys.readouterr().err == "moejax: warning: fell back: 7\n"
+    assert (list(logging.getLogger("moejax").handlers), logging.getLogger("moejax").propagate) == before
+
+
 # ---- the CLI's exit codes -------------------------------------------------------------------------------
 def test_sigterm_on_a_permanent_step_keeps_its_checkpoint_permanent(base, tmp_path, monkeypatch, capsys):
     """A preemption after a step that is due a permanent checkpoint (checkpoint_every=1: every step) saves it as
