@@ -348,3 +348,22 @@ def test_an_infinite_temperature_is_refused():
 
     with pytest.raises(ConfigError, match=r"--temperature \(inf\) must be a finite number >= 0"):
         check_options(8, float("inf"), 0.9)
+
+
+def test_steps_is_applied_before_the_config_is_checked(tmp_path, capsys):
+    """`--steps` replaced train.steps after the preset (300 steps) had been validated with `--set`: a context phase
+    at half the run was checked as starting at step 150, not 4, so the error named the wrong step and a schedule
+    `--set train.steps=8` accepts was refused (found by the thirty-seventh session's phase-boundary fuzz)."""
+    small = ["--set", "train.batch_size=4", "--set", "train.seq_len=32"]
+    assert main(["train", "--run-dir", str(tmp_path / "x"), "--steps", "8", *small,
+                 "--set", "data.context_schedule=0.5:48"]) == 2
+    err = capsys.readouterr().err
+    assert "not divisible by seq_len 48 (from step 4)" in err and err.count("\n") == 1, err
+    args = build_parser().parse_args(["train", "--run-dir", "x", "--steps", "8", "--remat", *small,
+                                      "--set", "data.context_schedule=0.5:48,0.51:64"])
+    cfg = cli._resolve(args)  # both phases round to step 4, where the later one wins: seq_len 48 never runs
+    assert [(ph.start, ph.seq_len) for ph in cfg.phases] == [(0, 32), (4, 64)]
+    assert (cfg.train.steps, cfg.train.remat) == (8, True)
+    with_set = apply_overrides(preset("tiny"), ["train.batch_size=4", "train.seq_len=32", "train.steps=8",
+                                                "data.context_schedule=0.5:48,0.51:64"])
+    assert with_set.phases == cfg.phases  # `--steps 8` and `--set train.steps=8` alike

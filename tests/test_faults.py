@@ -87,7 +87,7 @@ def test_finished_run_killed_before_its_summary_then_extended(tmp_path, cache):
     inode = final.stat().st_ino
     r = train(cache, run, "--steps", "8", "--set", "train.checkpoint_every=2")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "extending" in r.stderr and "from 5 to 8 steps" in r.stderr and "resumes at (5)" in r.stderr
+    assert "extending" in r.stderr and "from 5 to 8 steps" in r.stderr and f"resuming {run} at step 5 of 8" in r.stderr
     assert _steps(run) == list(range(8))
     assert final.stat().st_ino == inode  # the rerun of the finished run did not rewrite its final checkpoint
     assert [c.step for c in list_checkpoints(run) if c.complete] == [2, 4, 5, 6, 8]

@@ -229,7 +229,7 @@ def test_a_run_may_be_extended_but_not_shortened(tmp_path, capsys):
     longer = apply_overrides(preset("tiny"), ["model.n_layers=2", "train.steps=10"])
     assert prepare_run_dir(run, longer, overwrite=False) is True
     err = capsys.readouterr().err
-    assert "extending" in err and "from 6 to 10 steps" in err and "change from the step it resumes at (2)" in err
+    assert "extending" in err and "from 6 to 10 steps" in err and "change from the step it resumes at on" in err
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 10
     with pytest.raises(RunError, match=r"train.steps: 10 there, 4 now.*not shortened"):
         prepare_run_dir(run, apply_overrides(preset("tiny"), ["model.n_layers=2", "train.steps=4"]), overwrite=False)

@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from moejax.config import apply_overrides, ConfigError, first_line
@@ -48,12 +47,12 @@ def _cmd_count(args) -> int:
 
 
 def _resolve(args):
-    cfg = apply_overrides(preset(args.preset), mesh_overrides(args.mesh) + (args.set or []))
-    if args.remat:  # `train --remat`: train.remat=true, so config.json records it
-        cfg = replace(cfg, train=replace(cfg.train, remat=True))
-    if args.steps is not None:
-        cfg = replace(cfg, train=replace(cfg.train, steps=args.steps))
-    return cfg
+    """The preset with --mesh, --set, --remat and --steps applied as one set of overrides, validated once with
+    the final values: a context phase starts at a fraction of train.steps, so the schedule checked with the
+    preset's steps named the wrong step, and refused a schedule that --set train.steps accepted."""
+    flags = (["train.remat=true"] if args.remat else []) + ([f"train.steps={args.steps}"] if args.steps is not None
+                                                           else [])
+    return apply_overrides(preset(args.preset), mesh_overrides(args.mesh) + (args.set or []) + flags)
 
 
 def _default_mesh(cfg, args):

@@ -181,7 +181,8 @@ class TrainConfig:
     # memory, because a scan writes each layer's saved activations into per-layer stacks. At issue 11's shape
     # G on one H200 (XLA's compiled roofline): 119 vs 207 ms and 49 vs 76 GB without remat, 148 vs 161 ms with
     # it; d1024 with remat 289 vs 305 ms at 55 GB both; CPU 1.2-1.3x at 4 layers. The cost is compile time
-    # (~3x at 12 layers). Changes no value (transformer.run_layers).
+    # (~3x at 12 layers). Changes values only by float rounding (~1e-5 in the tiny model's loss: XLA fuses a
+    # scanned body otherwise), so a restart that switches it is not bitwise (transformer.run_layers).
     scan_layers: bool = False
     checkpoint_every: int = 6000  # permanent checkpoints (SPEC §5: 6,000 on the hero)
     temp_checkpoint_minutes: float = 60.0  # rolling temporary checkpoint, only the newest kept

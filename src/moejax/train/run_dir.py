@@ -250,9 +250,9 @@ def _check_same_run(run_dir: Path, old: dict, new: dict, store_may_move: bool = 
     if not isinstance(was, int) or now < was:
         raise RunError(f"run dir {run_dir} already holds a different run (train.steps: {was} there, {now} now); "
                        "a run can be extended to more steps, not shortened")
-    at = max((c.step for c in list_checkpoints(run_dir) if c.complete), default=0)
+    # no step named here: the resume may fall back past the newest checkpoint; "resuming ... at step N" follows
     print(f"moejax: extending {run_dir} from {was} to {now} steps: the learning-rate and data schedules, which "
-          f"scale with train.steps, change from the step it resumes at ({at}) on", file=sys.stderr)
+          "scale with train.steps, change from the step it resumes at on", file=sys.stderr)
 
 
 # ---- files ---------------------------------------------------------------------------------------------
