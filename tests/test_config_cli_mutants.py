@@ -367,3 +367,28 @@ def test_steps_is_applied_before_the_config_is_checked(tmp_path, capsys):
     with_set = apply_overrides(preset("tiny"), ["train.batch_size=4", "train.seq_len=32", "train.steps=8",
                                                 "data.context_schedule=0.5:48,0.51:64"])
     assert with_set.phases == cfg.phases  # `--steps 8` and `--set train.steps=8` alike
+
+
+def test_a_coordinator_without_the_process_count_or_id_is_refused_up_front(monkeypatch, tmp_path, capsys):
+    """docs/LAUNCH.md: process ids are checked before anything waits. `--coordinator H:P --process-id 0` without a
+    process count reached jax after the imports ("Number of processes must be defined"); `--distributed` still
+    lets jax find both."""
+    for k in ("JAX_COORDINATOR_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "JAX_NUM_PROCESSES", "SLURM_NTASKS",
+              "WORLD_SIZE", "JAX_PROCESS_ID", "SLURM_PROCID", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    for given, missing in ((["--process-id", "0"], "--num-processes"), (["--num-processes", "2"], "--process-id"),
+                           ([], "--num-processes and --process-id")):
+        args = ["train", "--run-dir", str(tmp_path / "r"), "--coordinator", "127.0.0.1:2950", *given]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"--coordinator 127.0.0.1:2950 needs {missing} (or the launcher's" in err and err.count("\n") == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    ns = argparse.Namespace(coordinator="127.0.0.1:2950", num_processes=None, process_id=None, distributed=False,
+                            dist_timeout=300)
+    cli._distributed_from_env(ns)
+    _validate_processes(ns)  # the launcher's variables fill both
+    assert (ns.num_processes, ns.process_id) == (2, 1)
+    _validate_processes(argparse.Namespace(coordinator="127.0.0.1:2950", num_processes=None, process_id=None,
+                                           distributed=True, dist_timeout=300))
+    assert not (tmp_path / "r").exists()

@@ -217,6 +217,30 @@ def test_init_from_is_checked_before_the_run_dir_is_touched(run_dir, tmp_path, c
     assert [c.step for c in list_checkpoints(own) if c.complete] == [1, 2]
 
 
+def test_init_from_a_source_whose_data_is_damaged_leaves_no_run_dir(run_dir, tmp_path, capsys):
+    """A flipped bit in the --init-from source's data is found only when its weights load (the checksums),
+    after the new run dir's config.json and run_info.json were written: they were left behind, and the same
+    command without --init-from then trained from scratch in that dir. The start is now undone: no dir when the
+    run created it, only the user's own files when it existed (found by the thirty-seventh session's README walk)."""
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "fp32"]) == 0
+    shard = sorted(out.glob("*.safetensors"))[0]
+    b = bytearray(shard.read_bytes())
+    b[-100] ^= 0x10  # inside the last tensor's data
+    shard.write_bytes(bytes(b))
+    capsys.readouterr()
+    new = tmp_path / "new"
+    assert main(["train", "--run-dir", str(new), "--init-from", str(out), *TRAIN_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert f"--init-from {out}" in err and "changed on disk" in err and err.count("\n") == 1, err
+    assert not new.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main(["train", "--run-dir", str(mine), "--init-from", str(out), *TRAIN_ARGS]) == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
 def test_init_from_an_export_starts_from_its_weights(run_dir, tmp_path, capsys):
     out = tmp_path / "export"
     assert main(["export", str(run_dir), "--out", str(out), "--dtype", "fp32", "--checkpoint", "1"]) == 0

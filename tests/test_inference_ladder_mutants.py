@@ -212,6 +212,31 @@ def test_load_run_falls_back_when_the_newest_checkpoint_does_not_restore(saved_r
     assert compute.embed.dtype == jnp.bfloat16 and compute.blocks.moe.router_bias.dtype == jnp.float32
 
 
+def test_load_run_of_a_damaged_chosen_or_last_checkpoint_says_so_once(saved_run, tmp_path, capsys):
+    """`--checkpoint N` of a damaged step printed "...; trying an older checkpoint" and then tried nothing older;
+    and the last candidate's warning repeated the error line that follows (the README walk, docs/LOG.md
+    thirty-seventh session). Now: no warning for them, one error."""
+    import shutil
+
+    from moejax import checkpoint as ck
+    from moejax.weights import WeightsError, load_run
+
+    _, _, run = saved_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for step in (1, 2):
+        for f in (copy / "checkpoints" / ck.step_dir_name(step) / ck.STATE).rglob("*"):
+            if f.is_file():
+                f.write_bytes(b"garbage")
+    with pytest.raises(WeightsError, match=f"{ck.step_dir_name(1)}: restore failed") as e:
+        load_run(copy, step=1, which="params")
+    assert "no usable checkpoint" not in str(e.value) and capsys.readouterr().err == ""
+    with pytest.raises(WeightsError, match="no usable checkpoint"):
+        load_run(copy, which="params")
+    err = capsys.readouterr().err
+    assert err.count("trying an older checkpoint") == 1 and ck.step_dir_name(2) in err, err
+
+
 def test_exported_head_maps_are_the_models():
     """config.json's derived head maps are what the model reads (`attention.kv_head_map`): another framework
     builds its GQA from them. Local and global differ here (8 query heads, 4 local / 2 global KV heads)."""

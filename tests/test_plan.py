@@ -91,7 +91,8 @@ def test_plan_lays_a_one_device_preset_out_as_train_would(capsys):
     assert main(["plan", "tiny", "--cluster", "h100x8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mesh"] == {"replica_dcn": 1, "data": 8, "expert": 1, "model": 1}
     assert main(["plan", "tiny", "--cluster", "gb200-nvl72x11"]) == 2
-    assert "not divisible by 704" in capsys.readouterr().err
+    err = capsys.readouterr().err  # and which clusters it would fit (a new user's first `plan tiny` stopped here)
+    assert "not divisible by 704" in err and "or plan it for a smaller --cluster (h100x8, h200x1)" in err
     assert main(["plan", "tiny", "--cluster", "h100x8", "--mesh", "data=2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mesh"]["data"] == 2
 

@@ -162,6 +162,11 @@ def _validate_processes(args) -> None:
         host, _, port = args.coordinator.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"--coordinator {args.coordinator!r} is not HOST:PORT (e.g. node0:8476)")
+        if not args.distributed and (n is None or i is None):  # jax would fail inside, after the imports
+            missing = " and ".join(f for f, v in (("--num-processes", n), ("--process-id", i)) if v is None)
+            raise ConfigError(f"--coordinator {args.coordinator} needs {missing} (or the launcher's "
+                              "JAX_NUM_PROCESSES / SLURM_NTASKS / WORLD_SIZE and JAX_PROCESS_ID / SLURM_PROCID / "
+                              "RANK, docs/LAUNCH.md), or --distributed to let jax find them")
 
 
 class _StartupWatchdog:

@@ -96,15 +96,18 @@ def load_run(run_dir: str | Path, step: int | None = None, which: str = "compute
     tried after a one-line warning each (as training's resume does)."""
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
-    tried = []
-    for path in choose_checkpoints(run_dir, step):
+    tried, paths = [], choose_checkpoints(run_dir, step)
+    for k, path in enumerate(paths):
         try:
             params = restore_weights(path, cfg, which)
         except IncompatibleCheckpointError as e:  # never a reason to fall back: every checkpoint shares it
             raise WeightsError(f"{path}: {e}") from None
         except CheckpointError as e:
-            print(f"moejax: warning: {e}; trying an older checkpoint", file=sys.stderr)
             tried.append(str(e))
+            if k + 1 < len(paths):  # the last one's reason is in the error below
+                print(f"moejax: warning: {e}; trying an older checkpoint", file=sys.stderr)
             continue
         return Loaded(cfg, params, int(path.name.split("_")[1]), path)
+    if step is not None:  # the one asked for: nothing older is tried
+        raise WeightsError(tried[0])
     raise WeightsError(f"no usable checkpoint in {run_dir / 'checkpoints'}; tried: " + " | ".join(tried))

@@ -98,7 +98,11 @@ def _cmd_plan(args) -> int:
     if args.mesh is None:  # as `train` lays it out on the cluster's devices
         from moejax.parallel.mesh import default_data_parallel
 
-        cfg = default_data_parallel(cfg, cluster.n_devices)
+        try:
+            cfg = default_data_parallel(cfg, cluster.n_devices)
+        except ConfigError as e:  # `plan tiny` on the default cluster (704 GPUs): name the smaller ones too
+            smaller = ", ".join(name for name, c in CLUSTERS.items() if c.n_devices < cluster.n_devices)
+            raise ConfigError(f"{e}; or plan it for a smaller --cluster ({smaller})" if smaller else str(e)) from None
     r = plan(cfg, cluster, args.mfu)
     if args.compile:
         from moejax.cuda_aot import check_available

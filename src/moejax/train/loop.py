@@ -48,8 +48,8 @@ from moejax.train.job_start import JobStart, PeerPreempted
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
 from moejax.train.profile import ProfileWindow, StepProfiler, trace_dir
-from moejax.train.run_dir import (RunError, RunLock, prepare_run_dir, read_summary, run_info, truncate_metrics,
-                                  write_json)
+from moejax.train.run_dir import (RunError, RunLock, forget_new_run, prepare_run_dir, read_summary, run_info,
+                                  truncate_metrics, write_json)
 from moejax.train.state import TrainState, init_opt_state, init_state, place_state
 from moejax.train.step import make_eval_step, make_train_step
 from moejax.xla_flags import step_compiler_options
@@ -109,6 +109,10 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
                 write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe(),
                                                        "step_compiler_options": _compiler_options(mesh), **profile})
             return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
+        except InitFromError:
+            if not resuming and _primary():  # its start wrote config.json and run_info.json: leave nothing
+                forget_new_run(run_dir)
+            raise
         except CheckpointError as e:  # e.g. the disk filled up mid-run: one line, the last good checkpoint stays
             raise RunError(str(e)) from None
         except OSError as e:  # the same for run_info.json or metrics.jsonl; other OSErrors (a lost peer) go on
@@ -404,6 +408,12 @@ def _throughput(cfg: RunConfig, seq_len: int, seconds: float, peak: float) -> di
             "throughput/mfu": flops / seconds / peak, "data/seq_len": seq_len}
 
 
+class InitFromError(RunError):
+    """The --init-from source's data is unusable (damaged on disk, non-finite), found when its weights load:
+    after the new run dir was written (its config and files' shapes are checked before), so that start is
+    undone (`run_dir.forget_new_run`)."""
+
+
 def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, init_from: Path | None, optimizer,
                    model_cfg: dict) -> TrainState:
     """Resume from this run's newest usable checkpoint, or start a new run from another run's weights."""
@@ -414,13 +424,16 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
                 return restored[0]
         if init_from is not None:
             init_from = Path(init_from)
-            if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
-                params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
-            else:
-                loaded, meta = restore(init_from, state, model_config=model_cfg)
-                params = loaded.params
+            try:
+                if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
+                    params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
+                else:
+                    loaded, meta = restore(init_from, state, model_config=model_cfg)
+                    params = loaded.params
+            except (CheckpointError, ConfigError) as e:
+                raise InitFromError(f"--init-from {init_from}: {e}") from None
             if why := unusable_state(dataclasses.replace(state, params=params), meta):
-                raise RunError(f"--init-from {init_from}: {why}")
+                raise InitFromError(f"--init-from {init_from}: {why}")
             # A new buffer per leaf, also for the fp32 router bias: the state is donated to the step.
             compute = jax.tree.map(lambda p, c: jnp.array(p, dtype=c.dtype, copy=True), params, state.compute)
             # placed as a fresh state of this run is: optax alone puts its step counts on one device, which a

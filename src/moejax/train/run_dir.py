@@ -191,6 +191,18 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, data: dict |
     return False
 
 
+def forget_new_run(run_dir: Path) -> None:
+    """Undo the start of a new run that stopped before its first step (its --init-from source's data was
+    unusable): its config.json, run_info.json and still empty checkpoints/ go, so the corrected command
+    starts it as new; the lock's release then removes a dir the run created."""
+    for name in ("config.json", "run_info.json"):
+        (run_dir / name).unlink(missing_ok=True)
+    try:
+        (run_dir / "checkpoints").rmdir()
+    except OSError:  # not empty, or not there: keep it
+        pass
+
+
 # The mesh may change between restarts (checkpoints reshard on load), and so may the alarm thresholds
 # (monitoring only) and how the step is laid out (block remat, scanned or unrolled layers: same math); the
 # model, data and schedule may not, except that a run may be extended to more steps.
