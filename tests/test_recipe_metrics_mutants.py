@@ -291,3 +291,40 @@ def test_metrics_rows_are_strict_json_and_wandb_gets_the_step(tmp_path, monkeypa
     assert row["train/grad_norm"] == "nan" and read_metrics(tmp_path)[0]["step"] == 7
     assert len(logged) == 1 and logged[0][0] == 7
     assert set(logged[0][1]) == {"step", "train/loss", "train/grad_norm"}
+
+
+def test_every_restart_logs_to_the_runs_one_wandb_run(tmp_path, monkeypatch):
+    """Each restart of a preempted run opened a new W&B run (resume="allow" without an id): a live run's
+    dashboard split into one run per segment. The id is made once and kept in RUN_DIR/wandb (which --overwrite
+    clears); a resumed W&B run that already holds the steps a restart redoes gets only the new ones."""
+    from moejax.metrics import WANDB_ID_FILE
+    from moejax.train.run_dir import clear_run_dir
+
+    inits, logged = [], []
+
+    class ResumedRun:
+        step = 5  # W&B's next step of a resumed run (online): it already holds steps 0-4
+
+        def log(self, data, step=None):
+            logged.append(step)
+
+        def finish(self):
+            pass
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(metrics_mod, "_wandb_init", lambda **kw: inits.append(kw) or ResumedRun())
+    run, other = tmp_path / "run", tmp_path / "other"
+    for d in (run, run, other):
+        d.mkdir(exist_ok=True)
+        MetricsWriter(d, wandb_mode="offline").close()
+    ids = [kw["id"] for kw in inits]
+    assert ids[0] == ids[1] != ids[2] and (run / "wandb" / WANDB_ID_FILE).read_text().strip() == ids[0]
+    writer = MetricsWriter(run, wandb_mode="offline")
+    for step in range(3, 8):  # a restart from the checkpoint at step 3
+        writer.log(step, {"train/loss": 1.0})
+    writer.close()
+    assert logged == [5, 6, 7] and [r["step"] for r in read_metrics(run)] == [3, 4, 5, 6, 7]
+    (run / "config.json").write_text(json.dumps({"model": {}, "train": {}, "parallel": {}}))
+    clear_run_dir(run)  # --overwrite: a new run, a new W&B run
+    MetricsWriter(run, wandb_mode="offline").close()
+    assert inits[-1]["id"] not in ids

@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import secrets
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from moejax import faults
+from moejax.fsio import atomic_write
 from moejax.config import ConfigError, first_line
 
 
@@ -32,7 +35,8 @@ class MetricsWriter:
         self._wandb = None
         mode = os.environ.get("WANDB_MODE", wandb_mode)
         if primary and mode != "disabled":
-            self._wandb = _wandb_init(project=project, name=run_name, dir=str(run_dir), mode=mode, config=config)
+            self._wandb = _wandb_init(project=project, name=run_name, dir=str(run_dir), mode=mode, config=config,
+                                      id=wandb_run_id(run_dir))
 
     def log(self, step: int, metrics: dict) -> None:
         if self._f is None:
@@ -44,7 +48,9 @@ class MetricsWriter:
             self._f.flush()
             faults.kill_now()
         _write_all(self._f, line)  # one whole line: only a crash (or a full disk) inside it tears a line
-        if self._wandb is not None:
+        # A resumed W&B run (online) starts at the step after the last it holds: the steps a restart redoes since
+        # its checkpoint (the same values) are already there, and W&B would refuse each with a warning line.
+        if self._wandb is not None and int(step) >= getattr(self._wandb, "step", 0):
             self._wandb.log({k: v for k, v in row.items() if not isinstance(v, list)}, step=int(step))
 
     def sync(self) -> None:
@@ -72,6 +78,24 @@ def check_wandb(mode: str) -> None:
     if os.environ.get("WANDB_MODE", mode) == "online" and not _wandb_has_key():
         raise ConfigError("--wandb online needs a W&B API key (run `wandb login` or set WANDB_API_KEY); "
                           "or use --wandb offline and `wandb sync` later")
+
+
+WANDB_ID_FILE = "moejax-run-id"  # in RUN_DIR/wandb/, which --overwrite clears with the rest of the run
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run's W&B id, made at its start and kept in its run dir: every restart of a preempted run logs to the
+    same W&B run (resume="allow"), not a new one each time."""
+    path = Path(run_dir) / "wandb" / WANDB_ID_FILE
+    try:
+        run_id = path.read_text().strip()
+    except OSError:
+        run_id = ""
+    if not re.fullmatch(r"[a-z0-9]{8,64}", run_id):
+        run_id = secrets.token_hex(8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, run_id + "\n")
+    return run_id
 
 
 def _wandb_init(**kw):
