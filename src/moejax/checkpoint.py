@@ -323,9 +323,9 @@ def one_line(e: BaseException, limit: int = 600) -> str:
             t = t.split(spec)[0]
         return f"{type(x).__name__}: {t}"
 
-    line, cause = text(e), e.__cause__
-    if cause is not None and text(cause).split(": ", 1)[1] not in line:
-        line += f" (from {text(cause)})"
+    line, why = text(e), text(e.__cause__) if e.__cause__ is not None else ""
+    if why and why.split(": ", 1)[1] not in line:
+        line += f" (from {why})"
     # Too long: keep both ends, since the OS reason (e.g. "No space left on device") comes last.
     return line if len(line) <= limit else line[: limit // 2] + " ... " + line[-limit // 2:]
 

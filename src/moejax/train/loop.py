@@ -423,17 +423,7 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
             if restored is not None:
                 return restored[0]
         if init_from is not None:
-            init_from = Path(init_from)
-            try:
-                if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
-                    params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
-                else:
-                    loaded, meta = restore(init_from, state, model_config=model_cfg)
-                    params = loaded.params
-            except (CheckpointError, ConfigError) as e:
-                raise InitFromError(f"--init-from {init_from}: {e}") from None
-            if why := unusable_state(dataclasses.replace(state, params=params), meta):
-                raise InitFromError(f"--init-from {init_from}: {why}")
+            params = _init_weights(Path(init_from), state, model_cfg)
             # A new buffer per leaf, also for the fp32 router bias: the state is donated to the step.
             compute = jax.tree.map(lambda p, c: jnp.array(p, dtype=c.dtype, copy=True), params, state.compute)
             # placed as a fresh state of this run is: optax alone puts its step counts on one device, which a
@@ -444,6 +434,22 @@ def _initial_state(state: TrainState, ckpt: CheckpointManager, resuming: bool, i
     except CheckpointError as e:
         raise RunError(str(e)) from None
     return state
+
+
+def _init_weights(init_from: Path, state: TrainState, model_cfg: dict):
+    """The fp32 weights of `--init-from` (a checkpoint or an export), placed like `state.params`;
+    InitFromError when its data is unusable."""
+    try:
+        if is_export(init_from):  # `moejax export` output: weights + router bias, no optimizer state
+            params, meta = init_params_from_export(init_from, state.params, model_cfg), {}
+        else:
+            loaded, meta = restore(init_from, state, model_config=model_cfg)
+            params = loaded.params
+    except (CheckpointError, ConfigError) as e:
+        raise InitFromError(f"--init-from {init_from}: {e}") from None
+    if why := unusable_state(dataclasses.replace(state, params=params), meta):
+        raise InitFromError(f"--init-from {init_from}: {why}")
+    return params
 
 
 def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=lambda b: b) -> dict:

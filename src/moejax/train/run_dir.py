@@ -194,7 +194,8 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, data: dict |
 def forget_new_run(run_dir: Path) -> None:
     """Undo the start of a new run that stopped before its first step (its --init-from source's data was
     unusable): its config.json, run_info.json and still empty checkpoints/ go, so the corrected command
-    starts it as new; the lock's release then removes a dir the run created."""
+    starts it as new; the lock's release then removes a dir the run created. Not `clear_run_dir`: that also
+    takes any other name moejax writes (a stray summary.json, report/) from a dir the user handed over."""
     for name in ("config.json", "run_info.json"):
         (run_dir / name).unlink(missing_ok=True)
     try:
