@@ -18,7 +18,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from moejax import checkpoint as ck, state_checksum
+from moejax import checkpoint as ck, preemption, state_checksum
 from moejax.diffs import first_difference
 from tests.helpers import subprocess_xla_flags
 
@@ -497,7 +497,7 @@ def test_unwritable_run_dir_fails_early(tmp_path):
 
 def test_preemption_guard_catches_sigterm():
     before = signal.getsignal(signal.SIGTERM)
-    with ck.PreemptionGuard() as guard:
+    with preemption.PreemptionGuard() as guard:
         assert not guard.requested
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(1000):  # the Python-level handler runs at the next bytecode boundary
@@ -506,12 +506,12 @@ def test_preemption_guard_catches_sigterm():
         assert guard.requested and guard.signum == signal.SIGTERM
         assert guard.stop_requested()
     assert signal.getsignal(signal.SIGTERM) == before
-    assert ck.EXIT_PREEMPTED == 75
+    assert preemption.EXIT_PREEMPTED == 75
 
 
 def test_immediate_guard_raises_until_the_loop_defers():
-    with ck.PreemptionGuard(immediate=True) as guard:
-        with pytest.raises(ck.PreemptionSignal, match="SIGTERM"):
+    with preemption.PreemptionGuard(immediate=True) as guard:
+        with pytest.raises(preemption.PreemptionSignal, match="SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):
                 pass
@@ -521,7 +521,7 @@ def test_immediate_guard_raises_until_the_loop_defers():
             if guard.requested:
                 break
         assert guard.requested and not guard.immediate
-    assert not issubclass(ck.PreemptionSignal, Exception)  # `except Exception` on the way cannot swallow it
+    assert not issubclass(preemption.PreemptionSignal, Exception)  # `except Exception` on the way cannot swallow it
 
 
 # ----------------------------------------------------------------------------- never lose data

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
+from moejax.checkpoint import list_checkpoints
+from moejax.preemption import EXIT_PREEMPTED
 from tests.helpers import bench_module
 
 SMALL = ["--preset", "tiny", "--no-progress", "--peak-flops", "1e11", "--wandb", "disabled",

@@ -27,6 +27,8 @@ FORBIDDEN = {
                         "moejax.ladder", "moejax.plan"),
     "moejax.data": ("moejax.model", "moejax.parallel", "moejax.train", "moejax.cli"),
     "moejax.train": ("moejax.cli", "moejax.ladder", "moejax.plan", "moejax.presets"),
+    # imported by the CLI before any backend starts: nothing above checkpoint (its collective, lazily)
+    "moejax.preemption": ("moejax.model", "moejax.parallel", "moejax.train", "moejax.data", "moejax.cli"),
 }
 
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from moejax.checkpoint import PreemptionSignal
+from moejax.preemption import PreemptionSignal
 from moejax.train.job_start import JobStart, PeerPreempted, PeerStopped
 from moejax.train.run_dir import RunError, RunLock
 

@@ -69,7 +69,8 @@ def test_one_process_signalled_both_save_and_resume_to_the_same_trace(tmp_path):
     same two commands resume to the one-process trace, each step logged once. The resumed process 1 is signalled
     again in the last step: the run has finished, so it ends as usual (final checkpoint, summary, exit 0), not 75
     with nothing a rerun could resume (it would stop at "no summary.json"). The reference runs alongside."""
-    from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints
+    from moejax.checkpoint import list_checkpoints
+    from moejax.preemption import EXIT_PREEMPTED
 
     run = tmp_path / "two"
     two = _pair(run)
@@ -106,7 +107,7 @@ def test_a_killed_process_ends_the_other_at_once_in_one_line_with_75(save, tmp_p
     and jax's heartbeat timeout (100 s), with a "checkpoint save failed" line and a C++ abort."""
     import time
 
-    from moejax.checkpoint import EXIT_PREEMPTED
+    from moejax.preemption import EXIT_PREEMPTED
 
     procs = _start(_pair(tmp_path / "run", "--set", "train.checkpoint_every=1"),
                    [{}, {"MOEJAX_FAULT_KILL": f"saving:{save}"}])
@@ -194,7 +195,7 @@ def test_a_process_signalled_while_starting_ends_both_with_75(tmp_path):
     """SIGTERM to process 1 during set-up: it exits 75 at once (nothing to save); process 0's set-up collective
     then times out (gloo: 30 s) and it exits 75 too, in one line, having let its peer through jax's shutdown
     barrier (a quick exit of process 0, the coordinator's host, had aborted process 1: rc 134)."""
-    from moejax.checkpoint import EXIT_PREEMPTED
+    from moejax.preemption import EXIT_PREEMPTED
 
     procs = _start(_pair(tmp_path / "run"), [{}, {"MOEJAX_FAULT_SIGTERM_BEFORE_STEP": "1"}])
     errs = [p.communicate(timeout=600)[1] for p in procs]

@@ -164,7 +164,7 @@ def test_every_process_falls_back_when_another_could_not_restore_the_newest(tmp_
         calls.append(flag)
         return True if len(calls) == 1 else flag
 
-    monkeypatch.setattr(ck, "_any_process", any_process)
+    monkeypatch.setattr(ck, "any_process", any_process)
     state, meta = ck.restore_latest(tmp_path, tiny_state(0))
     assert meta["step"] == 10 and int(state["step"]) == 10
 

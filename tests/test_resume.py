@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.checkpoint import EXIT_PREEMPTED, list_checkpoints, restore
+from moejax.checkpoint import list_checkpoints, restore
+from moejax.preemption import EXIT_PREEMPTED
 from moejax.config import RunConfig
 from moejax.train.optimizer import make_optimizer
 from moejax.train.state import init_state

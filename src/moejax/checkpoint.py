@@ -32,10 +32,7 @@ Notable choices and where they come from:
   flags are OR/AND-reduced across processes so every host takes the same branch. The filesystem
   must be shared. Tests run 2 processes on 127.0.0.1 (tests/test_multiprocess.py): a SIGTERM to one makes
   both save the same step, and the resumed pair follows the uninterrupted trace.
-- `EXIT_PREEMPTED = 75` (sysexits EX_TEMPFAIL, "temporary failure, retry"): the run saved after a
-  SIGTERM/SIGINT and wants to be restarted; distinct from 143 (128+SIGTERM, killed before saving).
-  A signal before the first step (start-up, restore, compile) has nothing new to save: an `immediate`
-  PreemptionGuard raises `PreemptionSignal` at once, which also exits 75.
+- Preemption (SIGTERM/SIGINT -> a saved checkpoint, exit 75) is `moejax.preemption`'s.
 - A checkpoint can be refused after it restores (`check`, e.g. non-finite weights): restore falls back
   past it like past a corrupt one. So it is when its data changed on disk: metadata.json holds three 32-bit
   sums of each array (one weighs each word by its place) (`state_checksum`), taken at save, compared after every restore (orbax checks none).
@@ -55,7 +52,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -74,7 +70,6 @@ from moejax.fsio import atomic_write, fsync_dir
 
 log = logging.getLogger(__name__)
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after preemption, resume me
 MARKER = "COMMITTED"
 METADATA = "metadata.json"
 STATE = "state"
@@ -242,7 +237,8 @@ def lost_peer(e: BaseException | None) -> str | None:
     return None
 
 
-def _any_process(flag: bool) -> bool:
+def any_process(flag: bool) -> bool:
+    """`flag` OR-reduced over the job's processes (a collective: every process calls it at the same point)."""
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
@@ -388,7 +384,7 @@ def restore_latest(run_dir: str | os.PathLike, abstract_state: Any, shardings: A
             result, err = None, e
         if result is not None and check is not None and (why := check(*result)):
             result, err = None, CheckpointError(f"{info.path}: {why}")
-        if not _any_process(err is not None):  # every host must take the same branch
+        if not any_process(err is not None):  # every host must take the same branch
             return result
         msg = str(err) if err is not None else f"{info.path}: restore failed on another process"
         log.warning("checkpoint unusable, falling back to an older one: %s", msg)
@@ -406,11 +402,11 @@ class CheckpointManager:
 
         ckpt = CheckpointManager(run_dir, permanent_every=6000, model_config=cfg_dict)
         restored = ckpt.restore_latest(abstract_state)
-        with PreemptionGuard() as guard:
+        with preemption.PreemptionGuard() as guard:
             for step in ...:
                 state = train_step(state)
                 if guard.stop_requested():
-                    ckpt.save(step, state, kind="final"); ckpt.wait(); sys.exit(EXIT_PREEMPTED)
+                    ckpt.save(step, state, kind="final"); ckpt.wait(); sys.exit(preemption.EXIT_PREEMPTED)
                 if kind := ckpt.should_save(step):
                     ckpt.save(step, state, kind=kind)
         ckpt.save(last_step, state, kind="final"); ckpt.close()
@@ -557,7 +553,7 @@ class CheckpointManager:
             thread = self._commit_thread
             if thread is not None:
                 thread.join(COMMIT_POLL_S)
-            if not _any_process(thread is not None and thread.is_alive()):
+            if not any_process(thread is not None and thread.is_alive()):
                 return
 
     def poll(self) -> None:
@@ -692,58 +688,3 @@ class _QuietOrbaxErrors(logging.Filter):
 
     def remove(self) -> None:
         logging.getLogger(self.LOGGER).removeFilter(self)
-
-
-# ----------------------------------------------------------------------------- preemption
-
-
-class PreemptionSignal(BaseException):
-    """SIGTERM/SIGINT under an `immediate` PreemptionGuard: nothing new to save, exit EXIT_PREEMPTED now.
-    A BaseException, so `except Exception` blocks on the way (orbax, data loading) do not swallow it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class PreemptionGuard:
-    """Turn SIGTERM/SIGINT into a flag (`requested`) so the loop can save and exit `EXIT_PREEMPTED`.
-
-    With `immediate` (set-up, before the first step: no new state exists yet) the handler raises
-    `PreemptionSignal` instead; the loop calls `defer` when its first step starts. Old handlers are
-    restored on exit. A second SIGINT while a request is pending raises KeyboardInterrupt (a human
-    pressing Ctrl-C twice wants out now). Must be entered in the main thread (a Python signal rule).
-    """
-
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), immediate: bool = False):
-        self.signals = tuple(signals)
-        self.immediate = immediate
-        self.requested = False
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.immediate:
-            raise PreemptionSignal(signum)
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested, self.signum = True, signum
-
-    def defer(self) -> None:
-        """From now on a signal only sets `requested`; the loop saves and exits at the next step boundary, or
-        finishes as usual when the signal lands in the last step or after it."""
-        self.immediate = False
-
-    def stop_requested(self) -> bool:
-        """`requested` OR-reduced over processes (a collective: call it at the same step everywhere)."""
-        return _any_process(self.requested)
-
-    def __enter__(self) -> PreemptionGuard:
-        for s in self.signals:
-            self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-        self._old.clear()

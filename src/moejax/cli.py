@@ -28,11 +28,11 @@ from pathlib import Path
 
 from moejax.config import apply_overrides, ConfigError, first_line
 from moejax.parallel.mesh import mesh_overrides, parse_mesh
+from moejax.preemption import EXIT_PREEMPTED
 from moejax.presets import PRESET_NAMES, preset
 from moejax.xla_flags import FORCED_HOST_DEVICES
 
 EXIT_USAGE = 2
-EXIT_PREEMPTED = 75  # = moejax.checkpoint.EXIT_PREEMPTED, which cannot be imported before the handler is set
 WAIT_REPORT_S = 15.0  # distributed start-up: a "waiting" line this often (a third of --dist-timeout if shorter)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import jax
 
-from moejax.checkpoint import PreemptionSignal
+from moejax.preemption import PreemptionSignal
 from moejax.diffs import find_difference
 from moejax.train.run_dir import LOCK, RunError
 

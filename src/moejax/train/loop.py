@@ -32,9 +32,8 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from moejax import accounting, faults
-from moejax.checkpoint import (EXIT_PREEMPTED, MARKER, METADATA, STATE, CheckpointError, CheckpointManager,
-                               PreemptionGuard, PreemptionSignal, check_compatible, list_checkpoints, lost_peer,
-                               restore)
+from moejax.checkpoint import (MARKER, METADATA, STATE, CheckpointError, CheckpointManager, check_compatible,
+                               list_checkpoints, lost_peer, restore)
 from moejax.compile_cache import enable_compile_cache
 from moejax.config import ConfigError, RunConfig
 from moejax.data.pipeline import make_data
@@ -43,6 +42,7 @@ from moejax.metrics import MetricsWriter, read_metrics, to_py
 from moejax.parallel.backends import attention_kernel, layer_weights, local_backend, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
+from moejax.preemption import EXIT_PREEMPTED, PreemptionGuard, PreemptionSignal
 from moejax.train.alarms import LOAD_KEY
 from moejax.train.job_start import JobStart, PeerPreempted
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
