@@ -50,8 +50,8 @@ def _reference(a: np.ndarray) -> str:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_host_device_sharded_and_pinned_host_give_the_definitions_bits(dtype, device_sums, monkeypatch):
     """A checkpoint saved on one mesh (or with the optimizer state offloaded) checks on another: sums are exact
-    and independent of reduction order, whether XLA reduces the shards on device (a GPU's arrays; here forced) or numpy reduces them
-    on the host (pinned_host arrays, and a CPU backend's)."""
+    and independent of reduction order, whether XLA reduces the shards on device (a GPU's arrays; here forced) or
+    numpy reduces them on the host (pinned_host arrays, and a CPU backend's)."""
     monkeypatch.setattr(sc, "NUMPY_ON_CPU", device_sums == "numpy")
     x = _array(dtype)
     mesh = jax.make_mesh((2, 4), ("data", "expert"))
@@ -73,8 +73,10 @@ def test_numpy_blocks_add_up_to_the_whole(shape, monkeypatch):
     x = _array(np.float32, shape)
     whole = sc.checksums({"x": x})
     monkeypatch.setattr(sc, "CHUNK_WORDS", 7)
-    sharded = jax.device_put(x, NamedSharding(jax.make_mesh((2,), ("data",)), P(None, "data") if len(shape) > 1
-                                              and shape[1] % 2 == 0 else P()))
+    axis = next(a for a, n in enumerate(shape) if n % 2 == 0)  # halved over 2 devices, so shards start mid-array
+    spec = P(*[("data" if a == axis else None) for a in range(len(shape))])
+    sharded = jax.device_put(x, NamedSharding(jax.make_mesh((2,), ("data",)), spec))
+    assert len({str(s.index) for s in sharded.addressable_shards}) == 2
     assert sc.checksums({"x": x}) == sc.checksums({"x": sharded}) == whole == {"x": _reference(x)}
 
 

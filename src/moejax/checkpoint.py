@@ -35,7 +35,8 @@ Notable choices and where they come from:
 - Preemption (SIGTERM/SIGINT -> a saved checkpoint, exit 75) is `moejax.preemption`'s.
 - A checkpoint can be refused after it restores (`check`, e.g. non-finite weights): restore falls back
   past it like past a corrupt one. So it is when its data changed on disk: metadata.json holds three 32-bit
-  sums of each array (one weighs each word by its place) (`state_checksum`), taken at save, compared after every restore (orbax checks none).
+  sums of each array (`state_checksum`; one weighs each word by its place), taken at save, compared after every
+  restore (orbax checks none).
 - A failed background save is reported at the next `poll()` (every step), as one line: orbax's own
   multi-hundred-line error logs of that failure are filtered out (`_QuietOrbaxErrors`), and so is the
   aftermath printed at exit (`_drop_failed_io_aftermath`): "Event loop is closed" tracebacks from

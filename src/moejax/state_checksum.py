@@ -152,7 +152,7 @@ def _sums_np(words: np.ndarray, start: tuple[int, ...]) -> tuple[int, int, int]:
     last = _axis_weights_np(words.ndim - 1, start[-1], words.shape[-1])
     rows = (words.reshape(-1, words.shape[-1]) * last).sum(axis=1, dtype=np.uint64)  # < 2^64: row < 2^32 words
     rows = (rows & np.uint64(MASK)) * lead.reshape(-1).astype(np.uint64)  # each < 2^64
-    placed = int(((rows & np.uint64(MASK))).sum(dtype=np.uint64))
+    placed = int((rows & np.uint64(MASK)).sum(dtype=np.uint64))
     return plain & MASK, mixed & MASK, placed & MASK
 
 
