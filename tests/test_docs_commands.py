@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from moejax import cli
-from moejax.config import apply_overrides
-from moejax.parallel.mesh import mesh_overrides
+from moejax.ladder.cli import plan_config
 from moejax.presets import preset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,9 +53,12 @@ def _inline_commands() -> list[tuple[str, list[str]]]:
 
 
 def _resolves(args) -> None:
-    """A command naming a preset: its --mesh and --set give a valid config (unknown keys, bad values raise)."""
-    if getattr(args, "preset", None) and any(hasattr(args, k) for k in ("set", "mesh")):
-        apply_overrides(preset(args.preset), mesh_overrides(getattr(args, "mesh", None)) + (args.set or []))
+    """A command naming a preset builds its config as the command does (unknown keys, bad values raise): `train`
+    with --steps/--remat too, `plan` and `data check` from --mesh and --set."""
+    if args.cmd == "train":
+        cli._resolve(args)
+    elif getattr(args, "preset", None) and hasattr(args, "set"):
+        plan_config(preset(args.preset), args.set or [], getattr(args, "mesh", None))
 
 
 def _options(parser, path: str) -> set[str]:

@@ -157,14 +157,16 @@ def _sums_np(words: np.ndarray, start: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def _blocks(shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
-    """Index tuples cutting an array of `shape` into C-contiguous blocks of at most CHUNK_WORDS words (or one
-    row of the last axis, if that is longer): whole trailing axes, a range of the axis before them, one index
-    (a length-1 range, so a block keeps every axis) of each axis before that."""
+    """Index tuples (a slice per axis, so a block keeps every axis and its slices' starts are its first word's
+    index) cutting an array of `shape` into C-contiguous blocks of at most CHUNK_WORDS words (or one row of the
+    last axis, if that is longer): whole trailing axes, a range of the axis before them, one index of each axis
+    before that."""
     if not shape:
         return [()]
     axis = next(a for a in range(len(shape)) if a == len(shape) - 1 or int(np.prod(shape[a + 1:])) <= CHUNK_WORDS)
     rows = max(1, CHUNK_WORDS // int(np.prod(shape[axis + 1:])))
-    return [tuple(slice(i, i + 1) for i in lead) + (slice(j, min(j + rows, shape[axis])),)
+    whole = tuple(slice(0, n) for n in shape[axis + 1:])
+    return [tuple(slice(i, i + 1) for i in lead) + (slice(j, min(j + rows, shape[axis])),) + whole
             for lead in np.ndindex(*shape[:axis]) for j in range(0, shape[axis], rows)]
 
 
@@ -181,7 +183,7 @@ def _host_sums(leaves: list) -> list[tuple[int, int, int]]:
         for data, offset in shards:
             words = _words_np(data)
             offset = offset + (0,) * (words.ndim - len(offset))  # an 8-byte leaf's word axis
-            parts += [(i, words[index], tuple(o + ix.start for o, ix in zip(offset, index)) + offset[len(index):])
+            parts += [(i, words[index], tuple(o + ix.start for o, ix in zip(offset, index)))
                       for index in _blocks(words.shape)]
     sums = [[0, 0, 0] for _ in leaves]
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
