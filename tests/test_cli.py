@@ -133,6 +133,7 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     # YNNPACK for reductions only on CPU
     assert info["step_compiler_options"] == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
     assert info["xla_flags"] == ENV["XLA_FLAGS"]
+    assert set(info["kernels"].values()) == {"xla"}  # every op on its XLA path on CPU
     if "malloc" not in ENV.get("LD_PRELOAD", ""):  # `python -m moejax.cli` skips the re-execution onto tcmalloc
         assert info["host_allocator"] == "glibc"
     assert info["host_allocator_settings"] == hostmem.allocator_settings(ENV)  # what the allocator started with

@@ -334,3 +334,59 @@ def test_a_step_keeps_the_kernel_choice_it_was_built_with(monkeypatch):
         step = make_eval_step(model)
         monkeypatch.setenv("MOEJAX_GROUPED", later)
         assert calls(step) == kernels, (built, later)
+
+
+def test_a_jax_without_pallas_triton_runs_xla_on_a_gpu_and_refuses_a_chosen_kernel(monkeypatch, capsys):
+    """Every kernel is written for Pallas's Triton backend, which jax 0.11 deprecates. In a jax without it
+    (`pallas_util.plgpu` None) a GPU defaults every op to XLA and says so once before a run; a kernel chosen
+    explicitly is one line naming the variable and the jax, not an error mid-trace."""
+    from moejax.model import pallas_util
+
+    for var in ("MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_NS", "MOEJAX_GROUPED_ROWS", "MOEJAX_EP_GROUPED"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
+    assert set(kernel_choice.current()["impl"].values()) == {"gpu_kernel", "xla"}  # with Triton: the kernels
+    monkeypatch.setattr(pallas_util, "plgpu", None)
+    assert set(kernel_choice.current()["impl"].values()) == {"xla"}
+    kernel_choice.check_choices(toy_model())
+    assert "has no Pallas Triton backend, so attention, the grouped GEMM and Newton-Schulz run on their XLA" \
+        in capsys.readouterr().err
+    monkeypatch.setenv("MOEJAX_ATTENTION", "gpu_kernel")
+    with pytest.raises(ConfigError, match=r"MOEJAX_ATTENTION=gpu_kernel: the attention kernel is written for "
+                                          r"Pallas's Triton backend, which this jax \(.*\) does not have"):
+        kernel_choice.check_choices()
+
+
+def test_moejax_imports_and_refuses_in_one_line_without_pallas_triton(tmp_path):
+    """The import itself: with `jax.experimental.pallas.triton` missing, every kernel module imports (they
+    used to import it at the top, so no moejax command ran at all), and `moejax train` with a kernel chosen
+    exits 2 with one line, before its run directory exists."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    code = ("import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+            "from moejax.model import flash_gpu, pallas_util\nfrom moejax.train import ns_gpu\n"
+            "assert pallas_util.plgpu is None\nfrom moejax.cli import main\n"
+            f"sys.exit(main(['train', '--preset', 'tiny', '--no-progress', '--run-dir', {str(run)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MOEJAX_GROUPED": "gpu_kernel", "WANDB_MODE": "disabled"})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [
+        f"moejax: error: MOEJAX_GROUPED=gpu_kernel: the grouped GEMM kernel is written for Pallas's Triton backend, "
+        f"which this jax ({jax.__version__}) does not have; unset MOEJAX_GROUPED to run the XLA path"]
+    assert not run.exists()
+
+
+def test_run_info_records_which_implementation_each_op_ran(monkeypatch):
+    """run_info.json names each op's implementation as the run's steps are built (values and speed differ
+    between a kernel and its XLA path), so a log says what ran."""
+    from moejax.presets import preset
+    from moejax.train.run_dir import run_info
+
+    for var in ("MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_NS", "MOEJAX_GROUPED_ROWS", "MOEJAX_EP_GROUPED"):
+        monkeypatch.delenv(var, raising=False)
+    with chosen("MOEJAX_GROUPED", "gpu_kernel"):
+        kernels = run_info(preset("tiny"), 1e11)["kernels"]
+    assert kernels == {"MOEJAX_ATTENTION": "xla", "MOEJAX_GROUPED": "gpu_kernel", "MOEJAX_NS": "xla",
+                       "MOEJAX_GROUPED_ROWS": "xla", "MOEJAX_EP_GROUPED": "xla"}

@@ -40,9 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from moejax.model.pallas_util import dot, out_like, whole
+from moejax.model.pallas_util import dot, out_like, plgpu, whole
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: exp2(MASK - m) is 0, never NaN

@@ -13,6 +13,8 @@ several GPUs each kernel runs per device: its caller wraps it in shard_map over 
 run replicated (the train loop's steps are tested for it: tests/test_local_data_parallel.py).
 `targeting_gpu()` makes a machine without a GPU choose and lower as a GPU would (`moejax plan --lower`, the
 CUDA lowering tests).
+Every kernel is written for Pallas's Triton backend (`pallas_util.plgpu`), which jax 0.11 deprecates: in a jax
+without it every op runs its XLA path, `check_choices` says so once, and an explicit gpu_kernel is refused.
 The choice is read while a function is traced. The step builders (`train.step`) fix it when the step is
 built (`current`, `pinned`), so a step runs what was chosen when it was made, whenever jit traces it; for
 other functions, jit caches the trace by function: trace a newly built one after changing the choice.
@@ -24,10 +26,12 @@ import contextlib
 import contextvars
 import os
 
+import sys
+
 import jax
 
 from moejax.config import ConfigError, ModelConfig
-from moejax.model import flash_gpu
+from moejax.model import flash_gpu, pallas_util
 from moejax.model.moe import grouped_gpu
 
 IMPLS = ("xla", "gpu_kernel")
@@ -52,9 +56,12 @@ def kernel_impl(env_var: str, what: str) -> str:
     chosen = os.environ.get(env_var) or None
     if chosen is not None and chosen not in IMPLS:
         raise ConfigError(f"{env_var}={chosen!r} is not one of {IMPLS} (the {what} implementation)")
+    if chosen == "gpu_kernel" and pallas_util.plgpu is None:
+        raise ConfigError(f"{env_var}=gpu_kernel: the {what} kernel is written for Pallas's Triton backend, which "
+                          f"this jax ({jax.__version__}) does not have; unset {env_var} to run the XLA path")
     if chosen:
         return chosen
-    return "gpu_kernel" if lowering_for_gpu() and env_var not in OPT_IN else "xla"
+    return "gpu_kernel" if lowering_for_gpu() and env_var not in OPT_IN and pallas_util.plgpu is not None else "xla"
 
 
 @contextlib.contextmanager
@@ -142,6 +149,9 @@ def check_choices(model: ModelConfig | None = None, seq_len: int | tuple[int, ..
     (context phases: seq_len / context-parallel degree)."""
     for op in KERNEL_OPS:
         kernel_impl(*op)
+    if lowering_for_gpu() and pallas_util.plgpu is None:
+        print(f"moejax: note: this jax ({jax.__version__}) has no Pallas Triton backend, so attention, the grouped "
+              "GEMM and Newton-Schulz run on their XLA paths, not the GPU kernels", file=sys.stderr)
     if kernel_impl(*GROUPED_ROWS) == "gpu_kernel" and kernel_impl(*GROUPED) != "gpu_kernel":
         raise ConfigError(f"{GROUPED_ROWS[0]}=gpu_kernel moves the row gathers into the grouped GEMM's kernels, "
                           f"but {GROUPED[0]} is xla here: set {GROUPED[0]}=gpu_kernel too, or unset {GROUPED_ROWS[0]}")

@@ -3,6 +3,9 @@
 - `dot`: the kernels' 2-D matmul, fp32 accumulation, transposes folded into the dot.
 - `whole`: a BlockSpec of a whole operand, read in place and indexed inside the kernel (expert ids, block
   bounds, weights).
+- `plgpu`: Pallas's Triton backend, which every kernel here is written for, or None in a jax without it
+  (0.11 deprecates it in favour of Mosaic GPU; a later jax drops it). Then `kernel_choice` runs every op on
+  its XLA path and refuses an explicit kernel choice with one line.
 - `out_like`: output shapes that also hold inside `shard_map`. Under shard_map (check_vma on, the default)
   Pallas needs every output's varying manual axes, since it can't infer them from the kernel body; the
   per-device kernels (`parallel.backends`) run there. The outputs vary exactly as the given operand does
@@ -16,6 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:
+    plgpu = None
 
 
 def dot(a, b, trans_a: bool = False, trans_b: bool = False):

@@ -34,11 +34,10 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from moejax.model.moe.grouped_gpu import MIN_TILE, tile
-from moejax.model.pallas_util import dot, out_like
+from moejax.model.pallas_util import dot, out_like, plgpu
 
 
 @dataclasses.dataclass(frozen=True)

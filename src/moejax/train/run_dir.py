@@ -271,6 +271,7 @@ def _check_same_run(run_dir: Path, old: dict, new: dict, store_may_move: bool = 
 # ---- files ---------------------------------------------------------------------------------------------
 def run_info(cfg: RunConfig, peak: float) -> dict:
     """What reproduces the run from its log (STYLE rule 10)."""
+    from moejax.model import kernel_choice  # here too: the Pallas kernels' modules
     from moejax.train.optimizer import optimizer_settings  # here: `summary` and `report` read this module, not optax
 
     try:
@@ -285,6 +286,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
             "host_allocator_settings": hostmem.allocator_settings(),  # e.g. when mimalloc hands memory back
             "xla_flags": os.environ.get("XLA_FLAGS", ""),  # with step_compiler_options: how XLA compiled the step
             "peak_flops": peak, "optimizer": optimizer_settings(cfg),  # hero: the heuristic's, not train.b2 etc.
+            "kernels": kernel_choice.current()["impl"],  # MOEJAX_* -> "xla" | "gpu_kernel", as the steps are built
             "accounting": accounting.summary(cfg, param_count(cfg.model))}
 
 

@@ -42,10 +42,9 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from moejax.model.pallas_util import dot, out_like, whole
+from moejax.model.pallas_util import dot, out_like, plgpu, whole
 
 
 @dataclasses.dataclass(frozen=True)
