@@ -23,6 +23,7 @@ CPU check of the script (kernels interpreted, small shapes): PYTHONPATH=src pyth
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -183,17 +184,20 @@ def main() -> int:
         flash = [(1024, 8, 2, 128, 256, 0), (1024, 8, 1, 128, None, 0), (1024, 8, 1, 128, None, 256),
                  (1024, 8, 2, 128, 256, 256)]
         blocks = None  # the kernel's defaults for each dtype (FlashBlocks.for_dtype)
-    results = [check_grouped(*g) for g in grouped] + [check_ns(4, 64) if a.smoke else check_ns(64, 512)]
-    for dt in ("bfloat16", "float32"):
-        results += [check_flash(*f[:5], f[5], dt, blocks) for f in flash]
+    # Each check is printed as it finishes: the session script runs this under a time limit (`timeout`), and a
+    # check cut short must not take the finished ones' lines with it.
+    checks = [functools.partial(check_grouped, *g) for g in grouped]
+    checks.append(functools.partial(check_ns, *((4, 64) if a.smoke else (64, 512))))
+    checks += [functools.partial(check_flash, *f[:5], f[5], dt, blocks) for dt in ("bfloat16", "float32")
+               for f in flash]
     failed = 0
-    for r in results:
-        worst = max(r["errors"].values())
-        ok = worst <= r["tol"]
+    for check in checks:
+        r = check()
+        ok = max(r["errors"].values()) <= r["tol"]
         failed += not ok
         detail = ", ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
         print(f"{'ok  ' if ok else 'FAIL'} {r['what']}: {detail} (tolerance {r['tol']:.1e})", flush=True)
-    print(f"{len(results) - failed} of {len(results)} checks within tolerance")
+    print(f"{len(checks) - failed} of {len(checks)} checks within tolerance")
     return 1 if failed else 0
 
 

@@ -2,9 +2,10 @@
 # Everything issue 11 needs from one GPU session, unattended, each part time-limited (~28 minutes of limits
 # in all, so with a 10-minute limit per command and 15 minutes of device time, run the parts that matter as
 # calls on one warm machine, back to back: it is given back after 30 s idle). Next session (after the
-# twenty-fourth, 2026-12-04): PARTS="check grouped" (~370 s: check 131 s on the H200 last time, grouped up
-# to 240 s; by the deviceless roofline the rows-in-the-kernels grouped GEMM is at 0.88 / 0.79 of the dense
-# dot at E = 64 / 384, against 0.55 / 0.47 for the default path), then PARTS="fast" (up to 330 s), then,
+# twenty-fourth, 2026-12-04): PARTS="check grouped" (~410 s: check took 131 s for 13 checks on the H200 last
+# time, 17 now; grouped up to 240 s; by the deviceless roofline the rows-in-the-kernels grouped GEMM is at
+# 0.88 / 0.79 of the dense dot at E = 64 / 384, against 0.55 / 0.47 for the default path), then PARTS="fast"
+# (up to 330 s), then,
 # with device time left, PARTS="d1024" (the rung in the run's default layout, unrolled without remat: 86 GB,
 # roofline 255 ms against 305 ms scanned with remat, never timed), PARTS="ep" (the capacity path's experts on
 # the grouped kernels, never timed) or PARTS="step" (d1024 scanned with remat,
@@ -64,7 +65,8 @@ else
               128x128,128x64:3:1:8)
   step_args=()
 fi
-part check 180 python bench/check_gpu_kernels.py "${check_args[@]}"
+# 240 s: the 17 checks (4 more since the last GPU run) took ~10 s each there; each prints as it finishes
+part check 240 python bench/check_gpu_kernels.py "${check_args[@]}"
 part grouped 240 python bench/bench_grouped.py "${grouped_args[@]}"
 part flash 120 python bench/bench_flash.py "${flash_args[@]}"
 # local first (90 s on the H200), then with the rows in the kernels, then the capacity path in the same
