@@ -237,6 +237,41 @@ def test_a_run_may_be_extended_but_not_shortened(tmp_path, capsys):
         prepare_run_dir(run, apply_overrides(longer, ["train.seed=1"]), overwrite=False)
 
 
+def test_a_change_of_steps_is_checked_against_what_the_newest_checkpoint_was_saved_under(tmp_path, capsys):
+    """An extension stopped before it saved a step can be taken back: a shortening is refused only below the
+    train.steps the newest complete checkpoint was saved under (its metadata's `train_steps`), or when that
+    metadata doesn't say (an older checkpoint: refused, as before)."""
+    run = tmp_path / "run"
+    _fake_run(run)  # 6 steps, a complete checkpoint at step 2
+    steps = lambda n: apply_overrides(CFG, [f"train.steps={n}"])
+    meta = run / "checkpoints" / "step_00000002" / "metadata.json"
+    meta.write_text(json.dumps({"step": 2, "train_steps": 6}))
+    assert prepare_run_dir(run, steps(10), overwrite=False) is True  # an extension, stopped before a save
+    capsys.readouterr()
+    assert prepare_run_dir(run, steps(6), overwrite=False) is True
+    assert capsys.readouterr().err == (f"moejax: {run} was set to 10 steps but saved no checkpoint under that; "
+                                       "it runs 6 steps now\n")
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 6
+    prepare_run_dir(run, steps(10), overwrite=False)
+    capsys.readouterr()
+    assert prepare_run_dir(run, steps(8), overwrite=False) is True  # shorter than 10, an extension of 6
+    err = capsys.readouterr().err
+    assert "was set to 10 steps but saved no checkpoint" in err and "extending" in err and "from 6 to 8 steps" in err
+    with pytest.raises(RunError, match=r"train.steps: 8 there, 5 now.*not shortened"):
+        prepare_run_dir(run, steps(5), overwrite=False)
+    for saved in ({"step": 2, "train_steps": 8}, {"step": 2}, {"step": 2, "train_steps": True}):
+        meta.write_text(json.dumps(saved))  # saved under 8; or not recorded: refused
+        with pytest.raises(RunError, match=r"train.steps: 8 there, 6 now.*not shortened"):
+            prepare_run_dir(run, steps(6), overwrite=False)
+    meta.write_text("{")  # unreadable: refused
+    with pytest.raises(RunError, match="not shortened"):
+        prepare_run_dir(run, steps(6), overwrite=False)
+    (run / "checkpoints" / "step_00000002" / "COMMITTED").unlink()  # no complete checkpoint: a restart starts over
+    capsys.readouterr()
+    assert prepare_run_dir(run, steps(3), overwrite=False) is True
+    assert "was set to 8 steps but saved no checkpoint under that; it runs 3 steps now" in capsys.readouterr().err
+
+
 def test_a_run_may_change_how_the_step_is_laid_out(tmp_path):
     run = tmp_path / "run"
     _fake_run(run)

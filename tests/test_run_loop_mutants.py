@@ -147,6 +147,27 @@ def test_extending_falls_back_past_a_non_finite_checkpoint_drops_stale_rows_and_
             assert i > 0 and events[i - 1] == "sync", events
 
 
+def test_an_extension_stopped_before_it_saved_a_step_can_be_taken_back(base, tmp_path, monkeypatch, capsys):
+    """`--steps 4` on the finished 2-step run, preempted before its first step (or a mistyped --steps stopped at
+    once), left config.json at 4 for good: the finished run's own command was refused as a shortening and
+    `summary` called the run unfinished. Each checkpoint records the train.steps it was saved under, and none
+    was saved under 4: the finished run's command works again, exit 0, summary and checkpoints untouched."""
+    run = _copy(base, tmp_path)
+    meta = lambda step: json.loads((run / "checkpoints" / f"step_{step:08d}" / "metadata.json").read_text())
+    assert [meta(1)["train_steps"], meta(2)["train_steps"]] == [2, 2]
+    summary, final = (run / "summary.json").read_bytes(), (run / "checkpoints" / "step_00000002").stat().st_ino
+    monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_BEFORE_STEP", "1")
+    assert main(["train", "--run-dir", str(run), *BASE_ARGS, "--steps", "4"]) == 75
+    monkeypatch.delenv("MOEJAX_FAULT_SIGTERM_BEFORE_STEP")
+    assert main(["summary", str(run)]) == 2  # "has not finished them"
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), *BASE_ARGS]) == 0
+    assert (f"moejax: {run} was set to 4 steps but saved no checkpoint under that; it runs 2 steps now"
+            in capsys.readouterr().err)
+    assert (run / "summary.json").read_bytes() == summary and main(["summary", str(run)]) == 0
+    assert steps_on_disk(run) == [1, 2] and (run / "checkpoints" / "step_00000002").stat().st_ino == final
+
+
 # ---- the loop's pieces, without a run ------------------------------------------------------------------
 def test_a_non_finite_metric_stops_the_step_and_is_written(tmp_path):
     ok = {"train/loss": 1.0, "train/grad_norm": 2.0, "train/update_norm": 0.1, "train/param_norm": 3.0}

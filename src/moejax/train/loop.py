@@ -310,7 +310,9 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     fault_at = faults.sigterm_at_step()
     bar = tqdm(total=t.steps, initial=start, disable=not opts.progress, desc=f"train {cfg.name}", unit="step",
                dynamic_ncols=True)
-    saved = {"data_step": start, "finite": True}  # only ever saved after _check_finite passed
+    # only ever saved after _check_finite passed; train_steps: the schedules' length, so that an extension stopped
+    # before it saved a step can be taken back (`run_dir._check_same_run`)
+    saved = {"data_step": start, "finite": True, "train_steps": t.steps}
     profiler = _profiler(opts.profile, run_dir, start, t.steps)
 
     def save(at: int, kind: str) -> None:

@@ -260,12 +260,30 @@ def _check_same_run(run_dir: Path, old: dict, new: dict, store_may_move: bool = 
     was, now = old.get("train", {}).get("steps"), new["train"]["steps"]
     if was == now:
         return
-    if not isinstance(was, int) or now < was:
+    saved_under = _steps_saved_under(run_dir) if isinstance(was, int) and now < was else None
+    if not isinstance(was, int) or (now < was and (saved_under is None or now < saved_under)):
         raise RunError(f"run dir {run_dir} already holds a different run (train.steps: {was} there, {now} now); "
                        "a run can be extended to more steps, not shortened")
+    if now < was:  # an extension (or start) that was stopped before it saved a step under its train.steps
+        print(f"moejax: {run_dir} was set to {was} steps but saved no checkpoint under that; it runs {now} steps "
+              "now", file=sys.stderr)
+        if saved_under in (0, now):
+            return
     # no step named here: the resume may fall back past the newest checkpoint; "resuming ... at step N" follows
-    print(f"moejax: extending {run_dir} from {was} to {now} steps: the learning-rate and data schedules, which "
-          "scale with train.steps, change from the step it resumes at on", file=sys.stderr)
+    print(f"moejax: extending {run_dir} from {saved_under or was} to {now} steps: the learning-rate and data "
+          "schedules, which scale with train.steps, change from the step it resumes at on", file=sys.stderr)
+
+
+def _steps_saved_under(run_dir: Path) -> int | None:
+    """train.steps when the newest complete checkpoint was saved (its metadata.json's `train_steps`, which the
+    loop records): 0 when there is no complete checkpoint (a restart starts over); None when that metadata
+    doesn't say (unreadable, or written before it was recorded). Every older checkpoint was saved under as
+    many steps or fewer: a change of train.steps is never below it."""
+    done = [c for c in list_checkpoints(run_dir) if c.complete]
+    if not done:
+        return 0
+    steps = (_json_dict(done[-1].path / "metadata.json") or {}).get("train_steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 # ---- files ---------------------------------------------------------------------------------------------
