@@ -371,6 +371,25 @@ def test_sigterm_on_a_permanent_step_keeps_its_checkpoint_permanent(base, tmp_pa
     capsys.readouterr()
 
 
+def test_a_preemption_skips_the_evaluation_due_after_its_step_but_not_the_last(tmp_path, monkeypatch, capsys):
+    """A SIGTERM during a step after which an evaluation is due (train.eval_every=1): the save comes first and
+    that evaluation is skipped (a preemption's grace period is for the save; the hero's evaluation is 4 batches
+    of 704 sequences on both MoE paths). The resumed run evaluates again, and in the last step a signal skips
+    nothing: the summary reports that evaluation."""
+    run = tmp_path / "run"
+    args = [*TRAIN_ARGS, "--steps", "3", "--set", "train.eval_every=1", "--set", "train.eval_batches=1"]
+    monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "2")
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), *args]) == 75
+    assert f"moejax: preempted after step 2 (its evaluation skipped); checkpoint saved in {run}" in \
+        capsys.readouterr().err
+    assert [("eval/loss" in r, r["step"]) for r in _rows(run)] == [(True, 0), (False, 1)]
+    monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "3")
+    assert main(["train", "--run-dir", str(run), *args]) == 0
+    assert [("eval/loss" in r, r["step"]) for r in _rows(run)] == [(True, 0), (False, 1), (True, 2)]
+    assert json.loads((run / "summary.json").read_text())["eval/loss"] == _rows(run)[-1]["eval/loss"]
+
+
 def test_a_non_finite_grad_norm_is_an_alarm_line_before_the_run_stops(tmp_path, capsys):
     """The grad_norm alarm's non-finite branch (StepLog.check) must run before the finiteness check stops the run;
     the order had flipped, so it never fired in training (found by a fuzzer, docs/LOG.md thirty-fifth session)."""

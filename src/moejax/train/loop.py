@@ -341,15 +341,19 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             metrics.update({"data/context_parallel": phase.context, "moe/cf_send": phase.cf_send,
                             "moe/cf_recv": phase.cf_recv})
             last = step + 1 == t.steps
-            if last or (t.eval_every and (step + 1) % t.eval_every == 0):
+            if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
+                faults.sigterm_now()
+            due = last or (t.eval_every and (step + 1) % t.eval_every == 0)
+            # A preemption's grace period is for the save: a signal already in skips this evaluation (the hero's
+            # takes 8 forward passes of 704 sequences), not the last step's, which the summary reports.
+            skip_eval = due and not last and guard.stop_requested()
+            if due and not skip_eval:
                 metrics.update(_eval_metrics(s, data, t.eval_batches))
             log.record(step, metrics, load_LE, last)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
                             tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
                             drop=f"{metrics['moe/drop_fraction']:.3f}")
             bar.update(1)
-            if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
-                faults.sigterm_now()
             saved["data_step"] = step + 1
             profiler.end(step)  # the step is done (a preemption's save below is in a trace still running)
             if not last and guard.stop_requested():  # in the last step: finish as usual (final save, summary)
@@ -357,8 +361,8 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                 # newer checkpoint exists, and the run would lose one of its permanent steps
                 save(step + 1, "permanent" if s.ckpt.permanent_at(step + 1) else "temporary")
                 s.ckpt.wait()
-                raise Preempted(f"preempted after step {step + 1}; checkpoint saved in {run_dir}; "
-                                "run the same command again to resume")
+                raise Preempted(f"preempted after step {step + 1}{' (its evaluation skipped)' if skip_eval else ''};"
+                                f" checkpoint saved in {run_dir}; run the same command again to resume")
             if not last and (kind := s.ckpt.should_save(step + 1)):
                 save(step + 1, kind)
         if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
