@@ -381,8 +381,9 @@ def test_a_preemption_skips_the_evaluation_due_after_its_step_but_not_the_last(t
     monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "2")
     capsys.readouterr()
     assert main(["train", "--run-dir", str(run), *args]) == 75
-    assert f"moejax: preempted after step 2 (its evaluation skipped); checkpoint saved in {run}" in \
-        capsys.readouterr().err
+    line = (rf"moejax: preempted after step 2 \(its evaluation skipped\); checkpoint saved in {re.escape(str(run))}, "
+            r"\d+\.\d s after the SIGTERM; run the same command again to resume\n")  # the grace period it needed
+    assert re.search(line, capsys.readouterr().err)
     assert [("eval/loss" in r, r["step"]) for r in _rows(run)] == [(True, 0), (False, 1)]
     monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "3")
     assert main(["train", "--run-dir", str(run), *args]) == 0
@@ -475,6 +476,25 @@ def test_evaluate_pools_sums_and_reports_bits_per_byte():
     assert got["eval/loss"] == pytest.approx(30.0 / 20.0)
     assert got["eval/bpb"] == pytest.approx(30.0 / np.log(2.0) / 60.0)
     assert got["eval/drop_fraction"] == pytest.approx(1.0 / 40.0)
+
+
+def test_evaluate_stops_between_batches_when_told():
+    """A preemption during an evaluation: `stop` is asked before every batch, and once it says so the
+    evaluation is abandoned (None) without running another batch."""
+    ran, asked = [], []
+
+    class Batches:
+        def batch(self, i):
+            return i
+
+    def fn(params, i, bpt):
+        ran.append(i)
+        return dict.fromkeys(("ce_sum", "tokens", "bytes", "dropped", "valid"), 1.0)
+
+    stop = lambda: (asked.append(len(ran)), len(asked) == 3)[1]  # says stop before the third batch
+    assert evaluate(fn, None, Batches(), 4, None, "eval/", stop=stop) is None
+    assert ran == [0, 1] and asked == [0, 1, 2]
+    assert evaluate(fn, None, Batches(), 2, None, "eval/", stop=lambda: False)["eval/loss"] == 1.0
 
 
 def test_truncate_drops_a_torn_row_of_a_kept_step_and_completes_a_whole_one(tmp_path):

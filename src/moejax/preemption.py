@@ -10,6 +10,7 @@ module's exit code before any backend starts.
 from __future__ import annotations
 
 import signal
+import time
 from typing import Any, Iterable
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after preemption, resume me
@@ -38,6 +39,7 @@ class PreemptionGuard:
         self.immediate = immediate
         self.requested = False
         self.signum: int | None = None
+        self.since: float | None = None  # time.monotonic() of the first request: how long the save took after it
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
@@ -45,6 +47,8 @@ class PreemptionGuard:
             raise PreemptionSignal(signum)
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if not self.requested:
+            self.since = time.monotonic()
         self.requested, self.signum = True, signum
 
     def defer(self) -> None:

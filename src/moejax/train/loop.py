@@ -19,6 +19,7 @@ import dataclasses
 import errno
 import functools
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -280,11 +281,15 @@ def _profiler(window: ProfileWindow | None, run_dir: Path, start: int, steps: in
                         where=str(trace_dir(run_dir, "*")) if many else "")
 
 
-def _eval_metrics(s: _Session, data, n_batches: int) -> dict:
+def _eval_metrics(s: _Session, data, n_batches: int, stop=lambda: False) -> dict | None:
+    """Every eval path's metrics; None when `stop` (a preemption) says so before one of their batches."""
     params = s.state.compute  # device-resident, with the fp32 router bias the next train step routes with
     out = {}
     for prefix, fn in s.eval_fns.items():
-        out.update(evaluate(fn, params, data.eval, n_batches, s.bytes_per_token, prefix, s.to_global))
+        got = evaluate(fn, params, data.eval, n_batches, s.bytes_per_token, prefix, s.to_global, stop)
+        if got is None:
+            return None
+        out.update(got)
     return out
 
 
@@ -344,11 +349,13 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
                 faults.sigterm_now()
             due = last or (t.eval_every and (step + 1) % t.eval_every == 0)
-            # A preemption's grace period is for the save: a signal already in skips this evaluation (the hero's
-            # takes 8 forward passes of 704 sequences), not the last step's, which the summary reports.
-            skip_eval = due and not last and guard.stop_requested()
-            if due and not skip_eval:
-                metrics.update(_eval_metrics(s, data, t.eval_batches))
+            # A preemption's grace period is for the save: a signal skips the evaluation, or stops it between
+            # batches (the hero's: 4 of 704 sequences on both MoE paths); not the last step's, which the summary
+            # reports. `stop_requested` is a collective, called before the same batch on every process.
+            evals = _eval_metrics(s, data, t.eval_batches, (lambda: False) if last else guard.stop_requested) \
+                if due else {}
+            skip_eval = evals is None
+            metrics.update(evals or {})
             log.record(step, metrics, load_LE, last)
             bar.set_postfix(loss=f"{metrics['train/loss']:.3f}",
                             tok_s=f"{metrics['throughput/tokens_per_second']:.0f}",
@@ -361,8 +368,12 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                 # newer checkpoint exists, and the run would lose one of its permanent steps
                 save(step + 1, "permanent" if s.ckpt.permanent_at(step + 1) else "temporary")
                 s.ckpt.wait()
+                # how long this process took from its signal to the saved checkpoint (a peer that learnt of the
+                # stop from another process had none): what a launcher's grace period must cover
+                after = "" if guard.since is None else \
+                    f", {time.monotonic() - guard.since:.1f} s after the {signal.Signals(guard.signum).name}"
                 raise Preempted(f"preempted after step {step + 1}{' (its evaluation skipped)' if skip_eval else ''};"
-                                f" checkpoint saved in {run_dir}; run the same command again to resume")
+                                f" checkpoint saved in {run_dir}{after}; run the same command again to resume")
             if not last and (kind := s.ckpt.should_save(step + 1)):
                 save(step + 1, kind)
         if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
@@ -458,12 +469,16 @@ def _init_weights(init_from: Path, state: TrainState, model_cfg: dict):
     return params
 
 
-def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=lambda b: b) -> dict:
+def evaluate(eval_fn, params, data, n_batches: int, bpt, prefix: str, to_global=lambda b: b,
+             stop=lambda: False) -> dict | None:
     """Held-out loss, bits per byte and drop fraction over the first `n_batches` eval batches (always the same
     ones), each pooled over them: sums of CE over sums of tokens, of bytes, and dropped over valid assignments
-    (SPEC §3's drop fraction; a mean of per-batch fractions would weight a batch of padding like a full one)."""
+    (SPEC §3's drop fraction; a mean of per-batch fractions would weight a batch of padding like a full one).
+    None, abandoned, when `stop()` is true before a batch."""
     sums = dict.fromkeys(("ce_sum", "tokens", "bytes", "dropped", "valid"), 0.0)
     for i in range(n_batches):
+        if stop():
+            return None
         out = jax.device_get(eval_fn(params, to_global(data.batch(i)), bpt))
         sums = {k: v + float(out[k]) for k, v in sums.items()}
     ce = sums["ce_sum"]
