@@ -298,6 +298,10 @@ def test_summary_prints_percentages_the_eval_row_and_each_alarms_first_and_last(
     assert main(["summary", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "MFU 12.3% of measured matmul peak" in out and "MoE drops   3.12%" in out
+    (tmp_path / "run_info.json").write_text(json.dumps({"peak_source": "--peak-flops", "peak_flops": 1e11}))
+    assert main(["summary", str(tmp_path)]) == 0  # a run told its peak: not "measured"
+    assert "MFU 12.3% of the peak given by --peak-flops" in capsys.readouterr().out
+    (tmp_path / "run_info.json").unlink()
     assert "(step 7's row; later steps were not evaluated)" in out
     assert "collapse: raised 1x; first: c1" in out and "high_drop: raised 3x; first: d1" in out
     assert out.count("last:") == 1 and "last:  d3" in out

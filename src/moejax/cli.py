@@ -268,7 +268,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_summary(args) -> int:
-    from moejax.train.run_dir import read_summary
+    from moejax.train.run_dir import peak_source, read_summary
 
     s = read_summary(Path(args.run_dir))
     print(f"run {args.run_dir} ({s['preset']}): {s['steps']} steps in {s['wall_seconds']:.0f} s")
@@ -279,7 +279,7 @@ def _cmd_summary(args) -> int:
         print(f"  eval loss   {s['eval/loss']:.3f}   eval bits/byte {s['eval/bpb']:.3f}{when}")
     if s["tokens_per_second"]:
         print(f"  throughput  {s['tokens_per_second']:,.0f} tokens/s   "
-              f"MFU {100 * s['mfu']:.1f}% of measured matmul peak")
+              f"MFU {100 * s['mfu']:.1f}% of {peak_source(Path(args.run_dir))}")
     else:  # every step was one of a (re)start's first, compile-dominated ones
         print("  throughput  n/a (too few steps after the compile to measure)")
     print(f"  MoE drops   {100 * s['drop_fraction']:.2f}%")

@@ -308,6 +308,14 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
             "accounting": accounting.summary(cfg, param_count(cfg.model))}
 
 
+def peak_source(run_dir: Path) -> str:
+    """What the run's MFU is against, as `moejax summary` words it: the peak measured at start (also for a
+    run_info.json that is missing or unreadable: every run before --peak-flops existed), or the one given."""
+    if (_json_dict(run_dir / "run_info.json") or {}).get("peak_source") == "--peak-flops":
+        return "the peak given by --peak-flops"
+    return "measured matmul peak"
+
+
 def write_json(path: Path, obj: dict, **kw) -> None:
     atomic_write(path, json.dumps(obj, indent=2, **kw))
 
