@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-
 import sys
 
 import jax

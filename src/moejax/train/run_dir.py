@@ -309,8 +309,8 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
 
 
 def peak_source(run_dir: Path) -> str:
-    """What the run's MFU is against, as `moejax summary` words it: the peak measured at start (also for a
-    run_info.json that is missing or unreadable: every run before --peak-flops existed), or the one given."""
+    """What the run's MFU is against, as `moejax summary` words it: the peak given by --peak-flops when
+    run_info.json says so, else the one measured at start (every run's default)."""
     if (_json_dict(run_dir / "run_info.json") or {}).get("peak_source") == "--peak-flops":
         return "the peak given by --peak-flops"
     return "measured matmul peak"
