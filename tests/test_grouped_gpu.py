@@ -342,7 +342,7 @@ def test_a_jax_without_pallas_triton_runs_xla_on_a_gpu_and_refuses_a_chosen_kern
     explicitly is one line naming the variable and the jax, not an error mid-trace."""
     from moejax.model import pallas_util
 
-    for var in ("MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_NS", "MOEJAX_GROUPED_ROWS", "MOEJAX_EP_GROUPED"):
+    for var, _ in kernel_choice.KERNEL_OPS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(kernel_choice.jax, "default_backend", lambda: "gpu")
     assert set(kernel_choice.current()["impl"].values()) == {"gpu_kernel", "xla"}  # with Triton: the kernels
@@ -384,7 +384,7 @@ def test_run_info_records_which_implementation_each_op_ran(monkeypatch):
     from moejax.presets import preset
     from moejax.train.run_dir import run_info
 
-    for var in ("MOEJAX_ATTENTION", "MOEJAX_GROUPED", "MOEJAX_NS", "MOEJAX_GROUPED_ROWS", "MOEJAX_EP_GROUPED"):
+    for var, _ in kernel_choice.KERNEL_OPS:
         monkeypatch.delenv(var, raising=False)
     with chosen("MOEJAX_GROUPED", "gpu_kernel"):
         kernels = run_info(preset("tiny"), 1e11)["kernels"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 from moejax import accounting, hostmem
-from moejax.checkpoint import list_checkpoints
+from moejax.checkpoint import METADATA, list_checkpoints
 from moejax.config import RunConfig
 from moejax.diffs import first_difference
 from moejax.fsio import atomic_write, atomic_write_chunks
@@ -260,18 +260,20 @@ def _check_same_run(run_dir: Path, old: dict, new: dict, store_may_move: bool = 
     was, now = old.get("train", {}).get("steps"), new["train"]["steps"]
     if was == now:
         return
-    saved_under = _steps_saved_under(run_dir) if isinstance(was, int) and now < was else None
-    if not isinstance(was, int) or (now < was and (saved_under is None or now < saved_under)):
+    shorter = isinstance(was, int) and now < was
+    saved_under = _steps_saved_under(run_dir) if shorter else None
+    if not isinstance(was, int) or (shorter and (saved_under is None or now < saved_under)):
         raise RunError(f"run dir {run_dir} already holds a different run (train.steps: {was} there, {now} now); "
                        "a run can be extended to more steps, not shortened")
-    if now < was:  # an extension (or start) that was stopped before it saved a step under its train.steps
+    if shorter:  # an extension (or start) stopped before it saved a step under its train.steps
         print(f"moejax: {run_dir} was set to {was} steps but saved no checkpoint under that; it runs {now} steps "
               "now", file=sys.stderr)
         if saved_under in (0, now):
             return
+        was = saved_under  # what the run extends from: the steps its checkpoint's schedules had
     # no step named here: the resume may fall back past the newest checkpoint; "resuming ... at step N" follows
-    print(f"moejax: extending {run_dir} from {saved_under or was} to {now} steps: the learning-rate and data "
-          "schedules, which scale with train.steps, change from the step it resumes at on", file=sys.stderr)
+    print(f"moejax: extending {run_dir} from {was} to {now} steps: the learning-rate and data schedules, which "
+          "scale with train.steps, change from the step it resumes at on", file=sys.stderr)
 
 
 def _steps_saved_under(run_dir: Path) -> int | None:
@@ -282,7 +284,7 @@ def _steps_saved_under(run_dir: Path) -> int | None:
     done = [c for c in list_checkpoints(run_dir) if c.complete]
     if not done:
         return 0
-    steps = (_json_dict(done[-1].path / "metadata.json") or {}).get("train_steps")
+    steps = (_json_dict(done[-1].path / METADATA) or {}).get("train_steps")
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
