@@ -245,7 +245,7 @@ class TorchMoE(nn.Module):
 
 
 def torch_train_step(model, device: torch.device, autocast: torch.dtype | None):
-    """One AdamW training step on (tokens, targets), blocked on; returns the loss."""
+    """The stack's training step: (tokens, targets) -> loss, one AdamW update, finished when it returns."""
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=fused, foreach=not fused)
 

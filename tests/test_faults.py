@@ -194,3 +194,28 @@ def test_nan_weights_are_never_committed(tmp_path, cache):
     assert "nothing of this step was saved" in r.stderr
     assert [c.step for c in list_checkpoints(run) if c.complete] == []
     assert (run / "nonfinite.json").exists() and not (run / "metrics.jsonl").read_text()
+
+
+def test_a_kill_in_the_last_steps_evaluation_loses_no_step(tmp_path, cache):
+    """The final checkpoint is saved before the last step's evaluation (the hero's is 4 batches of 704 sequences
+    on both MoE paths, longer than some preemption notices): a kill in that evaluation, its checkpoint committed,
+    leaves no last row and no summary. The same command evaluates the checkpoint and writes the row (its training
+    part from the checkpoint's metadata) and the summary: the uninterrupted run's values, timings aside."""
+    args = ["--steps", "5", "--set", "train.eval_batches=1", "--set", "train.checkpoint_every=2"]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert train(cache, straight, *args).returncode == 0
+    r = train(cache, cut, *args, fault_env={"MOEJAX_FAULT_KILL": "final_eval:5"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert [c.step for c in list_checkpoints(cut) if c.complete] == [2, 4, 5]
+    assert _steps(cut) == [0, 1, 2, 3] and not (cut / "summary.json").exists()
+    r = train(cache, cut, *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.splitlines() == [
+        f"moejax: {cut}: its last step's evaluation was cut short; the final checkpoint is evaluated and step 4's "
+        "row written", f"moejax: {cut / 'summary.json'} was missing; rebuilt from metrics.jsonl"]
+    untimed = lambda d: [{k: v for k, v in json.loads(line).items() if not k.startswith(("throughput/", "time/"))}
+                         for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert untimed(cut) == untimed(straight) and "eval/loss" in untimed(cut)[-1]
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (straight, cut))
+    for key in ("steps", "first_loss", "last_loss", "eval/loss", "eval/bpb", "eval_step", "drop_fraction"):
+        assert sb[key] == sa[key], key

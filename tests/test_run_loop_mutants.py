@@ -82,8 +82,10 @@ def test_base_run_rows_and_the_learning_rate_of_each_step(base):
 
 def test_a_rerun_of_a_finished_run_changes_nothing_and_a_missing_summary_needs_the_last_row(base, tmp_path, capsys):
     """The same command after the run finished: exit 0, the final checkpoint not rewritten (same inode), no
-    eval-only row appended, summary.json and metrics.jsonl byte for byte the same. Without summary.json and
-    without the last step's row there is nothing to rebuild the summary from: one-line error, exit 2."""
+    eval-only row appended, summary.json and metrics.jsonl byte for byte the same. Without summary.json and the
+    last step's row (a kill in the last step's evaluation) the final checkpoint's metadata gives the row's
+    training part and its weights the evaluation: the row comes back, timings aside. A final checkpoint without
+    that record (saved by an older build) leaves nothing to rebuild the summary from: one-line error, exit 2."""
     run = _copy(base, tmp_path)
     final = run / "checkpoints" / "step_00000002"
     inode = final.stat().st_ino
@@ -94,13 +96,41 @@ def test_a_rerun_of_a_finished_run_changes_nothing_and_a_missing_summary_needs_t
     assert (run / "metrics.jsonl").read_bytes() == metrics
     assert steps_on_disk(run) == [1, 2]
 
-    (run / "summary.json").unlink()
+    untimed = lambda line: {k: v for k, v in json.loads(line).items() if not k.startswith(("throughput/", "time/"))}
     lines = metrics.decode().splitlines(keepends=True)
-    (run / "metrics.jsonl").write_text("".join(lines[:-1]))  # the last step's row lost
-    capsys.readouterr()
-    assert main(["train", "--run-dir", str(run), *BASE_ARGS]) == 2
-    assert "no summary.json in" in capsys.readouterr().err
-    assert not (run / "summary.json").exists()
+    for old_build in (False, True):
+        (run / "summary.json").unlink()
+        (run / "metrics.jsonl").write_text("".join(lines[:-1]))  # the last step's row lost
+        if old_build:
+            meta = json.loads((final / "metadata.json").read_text())
+            (final / "metadata.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "final_row"}))
+        capsys.readouterr()
+        assert main(["train", "--run-dir", str(run), *BASE_ARGS]) == (2 if old_build else 0)
+        if old_build:
+            assert "no summary.json in" in capsys.readouterr().err
+            assert not (run / "summary.json").exists()
+        else:
+            assert "its last step's evaluation was cut short" in capsys.readouterr().err
+            assert [untimed(x) for x in (run / "metrics.jsonl").read_text().splitlines()] == [untimed(x) for x in lines]
+            assert json.loads((run / "summary.json").read_text())["eval/loss"] == json.loads(summary)["eval/loss"]
+
+
+def test_a_run_extended_from_a_final_checkpoint_whose_row_is_owed_writes_that_row_first(base, tmp_path, capsys):
+    """Killed in its last step's evaluation, then extended (a larger --steps): the owed row of step 1 comes back
+    before step 2's, each step logged once, and the extension's summary covers it."""
+    run = _copy(base, tmp_path)
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "summary.json").unlink()
+    (run / "metrics.jsonl").write_text("".join(lines[:-1]))
+    assert main(["train", "--run-dir", str(run), *BASE_ARGS, "--steps", "3"]) == 0
+    assert "its last step's evaluation was cut short; the final checkpoint is evaluated and step 1's row" in \
+        capsys.readouterr().err
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [json.loads(line)["step"] for line in lines] + [2]  # step 0: eval, train
+    assert rows[-2]["train/loss"] == json.loads(lines[-1])["train/loss"] and "eval/loss" in rows[-2]
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["steps"], summary["first_loss"], summary["last_loss"]) == (3, rows[1]["train/loss"],
+                                                                                rows[-1]["train/loss"])
 
 
 def test_extending_falls_back_past_a_non_finite_checkpoint_drops_stale_rows_and_finishes_despite_sigterm(

@@ -6,6 +6,7 @@ that do nothing unless set. They make a crash land at an exact point that a time
       metrics   half of step STEP's metrics.jsonl line written (a torn last line)
       saving    the checkpoint of step STEP was just issued: its async write is in flight
       save      the checkpoint of step STEP has its arrays on disk but no COMMITTED marker yet
+      final_eval  the run's last step is STEP: its final checkpoint committed, the evaluation after it not run
       summary   the run ended at step STEP: final checkpoint committed, summary.json not yet written
   MOEJAX_FAULT_SIGTERM_AT_STEP=N        a real SIGTERM after step N (N >= 1) has run
   MOEJAX_FAULT_SIGTERM_BEFORE_STEP=1    a real SIGTERM during set-up, before the first step

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from moejax import accounting, faults
 from moejax.checkpoint import (MARKER, METADATA, STATE, CheckpointError, CheckpointManager, check_compatible,
-                               list_checkpoints, lost_peer, restore)
+                               any_process, list_checkpoints, lost_peer, restore)
 from moejax.compile_cache import enable_compile_cache
 from moejax.config import ConfigError, RunConfig
 from moejax.data.pipeline import make_data
@@ -49,8 +49,8 @@ from moejax.train.job_start import JobStart, PeerPreempted
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
 from moejax.train.profile import ProfileWindow, StepProfiler, trace_dir
-from moejax.train.run_dir import (RunError, RunLock, forget_new_run, prepare_run_dir, read_summary, run_info,
-                                  truncate_metrics, write_json)
+from moejax.train.run_dir import (RunError, RunLock, forget_new_run, json_dict, prepare_run_dir, read_summary,
+                                  run_info, truncate_metrics, write_json)
 from moejax.train.state import TrainState, init_opt_state, init_state, place_state
 from moejax.train.step import make_eval_step, make_train_step
 from moejax.xla_flags import step_compiler_options
@@ -293,6 +293,27 @@ def _eval_metrics(s: _Session, data, n_batches: int, stop=lambda: False) -> dict
     return out
 
 
+def _write_owed_final_row(s: _Session, data, run_dir: Path, start: int, eval_batches: int, totals: RunTotals,
+                          writer: MetricsWriter) -> None:
+    """A run killed in its last step's evaluation (its final checkpoint is saved first) has no last row and no
+    summary. That checkpoint's metadata holds the row's training part: evaluate its weights, which this run
+    restored, and write the row, before the summary is rebuilt from the rows (or, with a larger --steps, before
+    the run goes on). Process 0 decides (only it reads the rows); every process evaluates (a collective)."""
+    row = None
+    if _primary() and totals.last_step != start - 1:
+        final = [c for c in list_checkpoints(run_dir) if c.complete and c.step == start]
+        row = (json_dict(final[0].path / METADATA) or {}).get("final_row") if final else None
+    if not any_process(isinstance(row, dict)):
+        return
+    evals = _eval_metrics(s, data, eval_batches)
+    if _primary():
+        row = {**row, **evals}
+        writer.log(start - 1, row)
+        totals.add_row({"step": start - 1, **row})  # the summary of a run extended from here covers it
+        print(f"moejax: {run_dir}: its last step's evaluation was cut short; the final checkpoint is evaluated and "
+              f"step {start - 1}'s row written", file=sys.stderr)
+
+
 def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming: bool, peak: float,
                 mesh: Mesh, init_from: Path | None, guard: PreemptionGuard) -> dict:
     t = cfg.train
@@ -324,9 +345,12 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         writer.sync()  # the rows a checkpoint covers are on disk before it
         s.ckpt.save(at, s.state, kind=kind, extra_metadata=saved)
 
+    final_saved = False  # the final checkpoint goes before the last step's evaluation, when there is one
     try:
         if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
+        if start and s.eval_fns:  # resumed from a final checkpoint: its row may still be owed
+            _write_owed_final_row(s, data, run_dir, start, t.eval_batches, totals, writer)
         guard.defer()  # from the first step on, for good: a signal finishes the step and saves, and after the loop
         # (final checkpoint, summary) it lets the run finish
         for step in range(start, t.steps):
@@ -349,6 +373,17 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
                 faults.sigterm_now()
             due = last or (t.eval_every and (step + 1) % t.eval_every == 0)
+            if last and s.eval_fns:
+                # The final checkpoint before the final evaluation (the hero's: 4 batches of 704 sequences on both
+                # MoE paths, longer than some clouds' preemption notice): its write overlaps the evaluation, and
+                # a kill in it loses no step. The checkpoint's metadata holds this row's training part, so the
+                # next run evaluates the checkpoint and writes the row (`_write_owed_final_row`).
+                saved.update(data_step=step + 1, final_row=log.final_row(step, metrics, load_LE))
+                save(step + 1, "final")
+                final_saved = True
+                if faults.kill_at("final_eval", step + 1):
+                    s.ckpt.wait()
+                    faults.kill_now()
             # A preemption's grace period is for the save: a signal skips the evaluation, or stops it between
             # batches (the hero's: 4 of 704 sequences on both MoE paths); not the last step's, which the summary
             # reports. `stop_requested` is a collective, called before the same batch on every process.
@@ -376,7 +411,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                                 f" checkpoint saved in {run_dir}{after}; run the same command again to resume")
             if not last and (kind := s.ckpt.should_save(step + 1)):
                 save(step + 1, kind)
-        if int(s.state.step) > start:  # a rerun of a finished run keeps its final checkpoint untouched
+        if int(s.state.step) > start and not final_saved:  # a rerun of a finished run keeps its final checkpoint
             save(int(s.state.step), "final")
         if faults.sigterm_at_end():  # fault injection: a signal while the final checkpoint commits
             faults.sigterm_now()

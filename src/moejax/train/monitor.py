@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from moejax.config import RunConfig
-from moejax.metrics import MetricsWriter
+from moejax.metrics import MetricsWriter, to_py
 from moejax.train.alarms import LOAD_KEY, ROW_KEY, Alarm, Alarms, alarm_fields
 
 THROUGHPUT_WINDOW = 1024  # the summary's tokens/s and MFU: median over the most recent this-many steady steps
@@ -84,13 +84,17 @@ class RunTotals:
         a time: an iterator keeps this O(1) in memory too."""
         totals = cls()
         for row in rows:
-            # a row of a restart's first steps is compile-dominated too; rows of runs before SEGMENT_KEY
-            # existed know only the run's own start
-            since_start = _finite(row.get(SEGMENT_KEY, row["step"]))
-            totals.add(int(row["step"]), row, steady=since_start is not None and since_start >= COMPILE_STEPS)
-            if (wall := _finite(row.get(WALL_KEY))) is not None:
-                totals.wall_before = wall
+            totals.add_row(row)
         return totals
+
+    def add_row(self, row: dict) -> None:
+        """A row as metrics.jsonl has it (its "step" included), from an earlier segment of the run."""
+        # a row of a restart's first steps is compile-dominated too; rows of runs before SEGMENT_KEY existed know
+        # only the run's own start
+        since_start = _finite(row.get(SEGMENT_KEY, row["step"]))
+        self.add(int(row["step"]), row, steady=since_start is not None and since_start >= COMPILE_STEPS)
+        if (wall := _finite(row.get(WALL_KEY))) is not None:
+            self.wall_before = wall
 
     def summary(self, name: str, steps: int, wall_seconds: float) -> dict:
         out = {"preset": name, "steps": steps, "first_step": self.first_step, "first_loss": self.first_loss,
@@ -129,17 +133,28 @@ class StepLog:
         metrics.update(alarm_fields(alarms))
         return alarms
 
+    def _clock(self) -> dict:
+        return {WALL_KEY: self.totals.wall_before + time.perf_counter() - self._t0, SEGMENT_KEY: self._steps}
+
+    def _with_load(self, step: int, metrics: dict, load_LE, last: bool) -> dict:
+        t = self.train
+        due = load_LE is not None and t.load_log_every > 0 and (last or step % t.load_log_every == 0)
+        return {**metrics, LOAD_KEY: np.asarray(load_LE)} if due else metrics
+
+    def final_row(self, step: int, metrics: dict, load_LE) -> dict:
+        """The last step's row as `record` would write it now, as JSON values: what the final checkpoint keeps
+        of it, since that row is written only after the last step's evaluation."""
+        row = self._with_load(step, {**metrics, **self._clock()}, load_LE, last=True)
+        return {k: to_py(v) for k, v in row.items()}
+
     def record(self, step: int, metrics: dict, load_LE, last: bool = False) -> None:
         """Add the step to the totals and write its row if one is due (`metrics` gains the wall clock)."""
-        t = self.train
-        metrics[WALL_KEY] = self.totals.wall_before + time.perf_counter() - self._t0
-        metrics[SEGMENT_KEY] = self._steps
+        metrics.update(self._clock())
         self.totals.add(step, metrics, steady=self._steps >= COMPILE_STEPS)
         self._steps += 1
-        with_load = load_LE is not None and t.load_log_every > 0 and (last or step % t.load_log_every == 0)
+        row = self._with_load(step, metrics, load_LE, last)
         # Alarm and eval rows are written whatever log_every says (an eval every 25 steps, rows every 10).
-        if with_load or last or step % t.log_every == 0 or ROW_KEY in metrics or EVAL_KEY in metrics:
-            row = {**metrics, LOAD_KEY: np.asarray(load_LE)} if with_load else metrics
+        if LOAD_KEY in row or last or step % self.train.log_every == 0 or ROW_KEY in metrics or EVAL_KEY in metrics:
             self.writer.log(step, row)
 
     def summary(self, name: str, steps: int) -> dict:

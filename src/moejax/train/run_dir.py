@@ -126,7 +126,8 @@ def _written_by_moejax(name: str) -> bool:
     return name in RUN_FILES or name in RUN_DIRS or bool(m and m.group(1) in RUN_FILES)
 
 
-def _json_dict(path: Path) -> dict | None:
+def json_dict(path: Path) -> dict | None:
+    """The JSON object in `path`, or None when it is missing, unreadable or not an object."""
     try:
         obj = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -136,7 +137,7 @@ def _json_dict(path: Path) -> dict | None:
 
 def is_moejax_run(run_dir: Path) -> bool:
     """A config.json or run_info.json that moejax wrote, or checkpoint step dirs."""
-    cfg, info = _json_dict(run_dir / "config.json"), _json_dict(run_dir / "run_info.json")
+    cfg, info = json_dict(run_dir / "config.json"), json_dict(run_dir / "run_info.json")
     return bool((cfg and {"model", "train", "parallel"} <= set(cfg)) or (info and "accounting" in info)
                 or list_checkpoints(run_dir))
 
@@ -165,7 +166,7 @@ def prepare_run_dir(run_dir: Path, cfg: RunConfig, overwrite: bool, data: dict |
         if not is_moejax_run(run_dir):  # --overwrite would refuse it too (`clear_run_dir`): don't offer it
             raise RunError(f"run dir {run_dir} holds a config.json that is not a moejax run's (an export's, or "
                            "another tool's); choose another --run-dir")
-        old = _json_dict(cfg_path)
+        old = json_dict(cfg_path)
         if old is None:
             raise RunError(f"run dir {run_dir} has an unreadable config.json; pass --overwrite to start it over")
         same_data = data is not None and check_same_data(run_dir, data)
@@ -231,7 +232,7 @@ def check_same_data(run_dir: Path, data: dict) -> bool:
     it: the same tokenizer and token files (`store.data_identity`), wherever the store is now. A store prepared
     again at the same path (another tokenizer, other sources) would change what every token id means. True when
     the identities match; False for a run recorded before identities existed (its store path is compared)."""
-    was = (_json_dict(run_dir / "run_info.json") or {}).get("data") or {}
+    was = (json_dict(run_dir / "run_info.json") or {}).get("data") or {}
     if not was.get("identity"):
         return False
     if was["identity"] == data.get("identity"):
@@ -284,7 +285,7 @@ def _steps_saved_under(run_dir: Path) -> int | None:
     done = [c for c in list_checkpoints(run_dir) if c.complete]
     if not done:
         return 0
-    steps = (_json_dict(done[-1].path / METADATA) or {}).get("train_steps")
+    steps = (json_dict(done[-1].path / METADATA) or {}).get("train_steps")
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
@@ -313,7 +314,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
 def peak_source(run_dir: Path) -> str:
     """What the run's MFU is against, as `moejax summary` words it: the peak given by --peak-flops when
     run_info.json says so, else the one measured at start (every run's default)."""
-    if (_json_dict(run_dir / "run_info.json") or {}).get("peak_source") == "--peak-flops":
+    if (json_dict(run_dir / "run_info.json") or {}).get("peak_source") == "--peak-flops":
         return "the peak given by --peak-flops"
     return "measured matmul peak"
 
@@ -391,7 +392,7 @@ def read_summary(run_dir: Path) -> dict:
     path = Path(run_dir) / "summary.json"
     if not path.exists():
         raise RunError(f"no summary.json in {run_dir} (did the run finish?)")
-    s = _json_dict(path)
+    s = json_dict(path)
     if s is None:
         raise RunError(f"{path} is empty, truncated or not a JSON object; the run's numbers are in metrics.jsonl")
     missing = [k for k in SUMMARY_KEYS if k not in s]
@@ -399,7 +400,7 @@ def read_summary(run_dir: Path) -> dict:
         raise RunError(f"{path} lacks {', '.join(missing)}; the run's numbers are in metrics.jsonl")
     if why := _summary_damage(s):
         raise RunError(f"{path}: {why}; the run's numbers are in metrics.jsonl")
-    steps = ((_json_dict(Path(run_dir) / "config.json") or {}).get("train") or {}).get("steps")
+    steps = ((json_dict(Path(run_dir) / "config.json") or {}).get("train") or {}).get("steps")
     if isinstance(steps, int) and isinstance(s["steps"], int) and steps > s["steps"]:  # extended, not yet finished
         raise RunError(f"{path} is from when the run had {s['steps']} steps; it now has {steps} and has not finished "
                        "them (its numbers so far are in metrics.jsonl)")
