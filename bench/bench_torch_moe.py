@@ -392,8 +392,10 @@ def main() -> None:
                     help="the PyTorch stack's routed experts (auto: grouped_mm on CUDA when torch has it, else loop)")
     ap.add_argument("--only", choices=("both", "PyTorch", "moejax"), default="both")
     ap.add_argument("--moejax-optimizer", choices=("adam", "hero"), default="adam")
-    ap.add_argument("--moejax-remat", action="store_true",
-                    help="moejax with remat (on a GPU under 100 GB, where shape G's two stacks don't fit without)")
+    ap.add_argument("--moejax-remat", action="store_true", help="moejax's step with remat")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one stack's steps, then the other's, one worker alive at a time (shape G's two stacks take "
+                         "~115 GB together: on a GPU under 100 GB)")
     ap.add_argument("--smoke", action="store_true", help="shape G at CPU size: checks the script, not the machine")
     ap.add_argument("--check", action="store_true", help="check the PyTorch expert paths, then exit")
     ap.add_argument("--worker", choices=("PyTorch", "moejax"), help=argparse.SUPPRESS)
@@ -414,27 +416,28 @@ def main() -> None:
     cfg, _ = configs(args)
     on_gpu = jax.default_backend() == "gpu"
     names = ["PyTorch", "moejax"] if args.only == "both" else [args.only]
-    workers, first, about = {}, {}, {}
-    try:
-        for name in names:  # one at a time: the compiles don't share the machine either
-            workers[name] = start_worker(name, args)
-            ready = ask(workers[name], name)
-            first[name], about[name] = float(ready[1]), " ".join(ready[2:])
-        peak_of = (lambda: measure_matmul_peak(repeats=3)) if not on_gpu else \
-            (lambda: job_peak()["peak_flops_per_unit"])
-        peaks = [peak_of()]
-        times, losses = {k: [] for k in names}, {}
-        for i in range(1, args.warmup + args.steps):
-            for name in (names if i % 2 else names[::-1]):
-                print(i, file=workers[name].stdin, flush=True)
-                seconds, losses[name] = map(float, ask(workers[name], name))
-                times[name].append(seconds)
-            if not on_gpu:  # between the steps, while both workers wait
-                peaks.append(peak_of())
-    finally:
-        for proc in workers.values():
-            proc.stdin.close()
-            proc.wait()
+    peak_of = (lambda: measure_matmul_peak(repeats=3)) if not on_gpu else \
+        (lambda: job_peak()["peak_flops_per_unit"])
+    peaks = [peak_of()]
+    first, about, times, losses = {}, {}, {k: [] for k in names}, {}
+    for group in ([[name] for name in names] if args.sequential else [names]):
+        workers = {}
+        try:
+            for name in group:  # one at a time: the compiles don't share the machine either
+                workers[name] = start_worker(name, args)
+                ready = ask(workers[name], name)
+                first[name], about[name] = float(ready[1]), " ".join(ready[2:])
+            for i in range(1, args.warmup + args.steps):
+                for name in (group if i % 2 else group[::-1]):
+                    print(i, file=workers[name].stdin, flush=True)
+                    seconds, losses[name] = map(float, ask(workers[name], name))
+                    times[name].append(seconds)
+                if not on_gpu:  # between the steps, while the workers wait
+                    peaks.append(peak_of())
+        finally:
+            for proc in workers.values():
+                proc.stdin.close()
+                proc.wait()
     peak = max(peaks)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_peak = _torch_matmul_peak(device)
@@ -452,8 +455,9 @@ def main() -> None:
     what = "fp32 1024^3" if not on_gpu else "bf16 8192^3"
     print(f"peak ({what} matmul through jax): {peak / 1e12:.3f} TFLOP/s, the highest of {len(peaks)} readings "
           f"(lowest {min(peaks) / 1e12:.3f}); torch's own {what} matmul: {torch_peak / 1e12:.3f} TFLOP/s")
+    how = "one stack after the other" if args.sequential else "the two alternating step by step"
     print(f"timed: median of {args.steps} steps after {args.warmup} warm-up steps, each stack in its own process, "
-          "the two alternating step by step\n")
+          f"{how}\n")
     print("| stack | setup + 1st step (s) | step (ms, median) | min / max (ms) | tokens/s | model FLOPs/step | MFU "
           "| mean step (ms) | last loss |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -90,11 +90,12 @@ part d1024 240 python bench/bench_gpu.py --shapes d1024 --paths local --unrolled
 part ep 240 python bench/bench_gpu.py --shapes G --paths capacity,capacity-grouped --unrolled --no-remat \
   --no-profile --steps 4 --budget-s 150 "${step_args[@]}"
 # the PyTorch stack issue 11 compares against (~30,000 tokens/s there, target >= 5x), timed at G beside moejax's
-# fast layout in the same call, each stack in its own process; both at once don't fit under 100 GB without remat
-torch_remat=()
-if [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] 2>/dev/null; then torch_remat=(--moejax-remat); fi
+# fast layout in the same call, each stack in its own process, alternating; ~115 GB together, so on a GPU under
+# 100 GB one after the other
+torch_seq=()
+if [ -n "$gpu_mib" ] && [ "$gpu_mib" -lt 100000 ] 2>/dev/null; then torch_seq=(--sequential); fi
 part torch 240 python bench/bench_torch_moe.py --shape G --steps 4 --warmup 2 \
-  ${torch_remat[@]+"${torch_remat[@]}"} "${torch_args[@]}"
+  ${torch_seq[@]+"${torch_seq[@]}"} "${torch_args[@]}"
 part step 300 python bench/bench_gpu.py --budget-s 220 "${step_args[@]}"
 part ab 240 python bench/bench_gpu.py --shapes G --paths local,local-rows --no-profile --steps 4 --budget-s 120 \
   "${step_args[@]}"
