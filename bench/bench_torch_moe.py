@@ -50,8 +50,10 @@ from pathlib import Path
 
 import numpy as np
 
-# Workers and this process each hold the GPU at once: jax must not take 75% of its memory at start.
+# Workers and this process each hold the GPU at once: jax must not take 75% of its memory at start; PyTorch's
+# allocator grows its segments instead of fragmenting them (the eager stack at G holds ~65-80 GB).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 try:
@@ -63,6 +65,7 @@ except ImportError:  # one line, no traceback: the bench needs an optional packa
              "--index-url https://download.pytorch.org/whl/cpu)")
 
 CHECK_RTOL = 1e-5  # fp32: the expert paths differ only in summation order
+CHECK_BF16_NORM = 2e-2  # bf16 GEMMs (8 bits of mantissa) against the same ops' dense reference under autocast
 # SDPA takes fewer KV heads itself from torch 2.5; before, KV heads are repeated first (as HF's sdpa path does)
 SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
@@ -187,7 +190,8 @@ class MoE(nn.Module):
 
     def loop(self, x, sel, w):
         out = torch.zeros_like(x)
-        for e in torch.bincount(sel.flatten(), minlength=self.e).nonzero().flatten().tolist():  # one host sync
+        # as HF's code does: the experts hit (a host sync), then a `where` (another) and three GEMMs each
+        for e in torch.bincount(sel.flatten(), minlength=self.e).nonzero().flatten().tolist():
             tok, slot = torch.where(sel == e)
             out.index_add_(0, tok, (self._expert(e, x[tok]) * w[tok, slot, None]).to(x.dtype))
         return out
@@ -198,7 +202,7 @@ class MoE(nn.Module):
         tok = order // self.k
         offs = torch.bincount(flat, minlength=self.e).cumsum(0).to(torch.int32)  # each expert's end row
         dt = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        rows = x[tok].to(dt)
+        rows = x.to(dt)[tok]  # cast, then gather: a T*K-row gather of fp32 would be twice the bytes
         gate = torch._grouped_mm(rows, self.w_gate.to(dt), offs=offs)
         up = torch._grouped_mm(rows, self.w_up.to(dt), offs=offs)
         y = torch._grouped_mm(F.silu(gate) * up, self.w_down.to(dt), offs=offs)
@@ -208,7 +212,7 @@ class MoE(nn.Module):
         """Every expert on every token, weighted by a dense [T, E] matrix with zeros off the top-k (the slow
         reference `--check` compares both paths with)."""
         sel, w = self.route(x)
-        dense_w = torch.zeros(x.shape[0], self.e, dtype=x.dtype).scatter(1, sel, w)
+        dense_w = torch.zeros(x.shape[0], self.e, dtype=w.dtype, device=x.device).scatter(1, sel, w)
         ys = torch.stack([self._expert(e, x) for e in range(self.e)], dim=1)  # [T, E, d]
         return (ys * dense_w[..., None]).sum(dim=1)
 
@@ -284,6 +288,18 @@ def check_expert_paths() -> None:
                              f"{(a - b).abs().max().item():.3g} (largest {b.abs().max().item():.3g})")
     print(f"check: loop and grouped_mm equal the dense reference (values and 5 gradients, rtol {CHECK_RTOL}, "
           "1 / 5 / 37 tokens, 7 experts top-3)")
+    if torch.cuda.is_available() and hasattr(torch, "_grouped_mm"):  # what the GPU run takes: bf16 autocast
+        moe = MoE(dataclasses.replace(x_dims, d=256, expert_width=128, experts=64, top_k=8), "loop").cuda()
+        x = torch.randn(1000, 256, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref = moe.dense_reference(x).float()
+            ys = {path: fn(x, *moe.route(x)).float() for path, fn in (("loop", moe.loop), ("grouped_mm", moe.grouped))}
+        for path, y in ys.items():
+            err = ((y - ref).norm() / ref.norm()).item()
+            if not err < CHECK_BF16_NORM:
+                sys.exit(f"check: {path} on CUDA in bf16 differs from the dense reference by {err:.3g} norm-wise")
+        print(f"check: on CUDA in bf16 (1,000 tokens, 64 experts top-8) loop and grouped_mm are within "
+              f"{CHECK_BF16_NORM} of the dense reference, norm-wise")
 
 
 # ---- the comparison ----------------------------------------------------------------------------------------
@@ -321,7 +337,7 @@ def torch_stack(cfg, autocast, experts: str, data: list[dict]):
             except RuntimeError as e:  # a torch whose grouped GEMM wants another GPU, dtype or alignment
                 print(f"bench_torch_moe.py: grouped_mm failed ({str(e).splitlines()[0]}); timing the loop instead",
                       file=sys.stderr)
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # the failed stack's memory, now that nothing holds it
         experts = "loop"
     torch.manual_seed(0)
     step = torch_train_step(TorchMoE(Dims.of(cfg), experts).to(device), device,

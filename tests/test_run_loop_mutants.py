@@ -133,6 +133,24 @@ def test_a_run_extended_from_a_final_checkpoint_whose_row_is_owed_writes_that_ro
                                                                                 rows[-1]["train/loss"])
 
 
+def test_a_one_step_run_owes_its_row_though_step_0_has_an_eval_only_row(tmp_path, capsys):
+    """train.eval_at_start writes an eval-only row of step 0 before step 0's own: with 1 step, a kill in its
+    evaluation leaves that row, which is not the owed one. The rerun writes step 0's row, and the summary comes
+    from it (not first/last loss None and the initial weights' eval)."""
+    run = tmp_path / "run"
+    args = [*BASE_ARGS, "--steps", "1"]
+    assert main(["train", "--run-dir", str(run), *args]) == 0
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").unlink()
+    (run / "metrics.jsonl").write_text(lines[0])  # step 0's eval-only row
+    assert main(["train", "--run-dir", str(run), *args]) == 0
+    assert "step 0's row written" in capsys.readouterr().err
+    again = json.loads((run / "summary.json").read_text())
+    for key in ("first_loss", "last_loss", "eval/loss", "eval_step"):
+        assert again[key] == summary[key] is not None, key
+
+
 def test_extending_falls_back_past_a_non_finite_checkpoint_drops_stale_rows_and_finishes_despite_sigterm(
         base, tmp_path, monkeypatch, capsys):
     """Extend the run from 2 to 3 steps with (a) its newest checkpoint marked non-finite (an older build could
@@ -416,7 +434,14 @@ def test_a_preemption_skips_the_evaluation_due_after_its_step_but_not_the_last(t
     assert re.search(line, capsys.readouterr().err)
     assert [("eval/loss" in r, r["step"]) for r in _rows(run)] == [(True, 0), (False, 1)]
     monkeypatch.setenv("MOEJAX_FAULT_SIGTERM_AT_STEP", "3")
+    # the final checkpoint, issued before the last step's evaluation, commits before its first batch once a
+    # signal is in: then a kill when the grace period runs out loses no step
+    events, real_wait = [], CheckpointManager.wait
+    monkeypatch.setattr(CheckpointManager, "wait", lambda self: (events.append("wait"), real_wait(self))[1])
+    spy = lambda fn, *a, **k: evaluate(lambda *b: (events.append("batch"), fn(*b))[1], *a, **k)
+    monkeypatch.setattr("moejax.train.loop.evaluate", spy)
     assert main(["train", "--run-dir", str(run), *args]) == 0
+    assert events[:2] == ["wait", "batch"], events
     assert [("eval/loss" in r, r["step"]) for r in _rows(run)] == [(True, 0), (False, 1), (True, 2)]
     assert json.loads((run / "summary.json").read_text())["eval/loss"] == _rows(run)[-1]["eval/loss"]
 

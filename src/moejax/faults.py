@@ -11,7 +11,8 @@ that do nothing unless set. They make a crash land at an exact point that a time
   MOEJAX_FAULT_SIGTERM_AT_STEP=N        a real SIGTERM after step N (N >= 1) has run
   MOEJAX_FAULT_SIGTERM_BEFORE_STEP=1    a real SIGTERM during set-up, before the first step
   MOEJAX_FAULT_SIGTERM_AT_IMPORT=1      a real SIGTERM while the `moejax` command imports the CLI (and jax)
-  MOEJAX_FAULT_SIGTERM_AT_END=1         a real SIGTERM after the last step, while the final checkpoint commits
+  MOEJAX_FAULT_SIGTERM_AT_END=1         a real SIGTERM after the last step (and its evaluation, which the final
+                                        checkpoint goes before), while that checkpoint commits or after
 """
 
 from __future__ import annotations

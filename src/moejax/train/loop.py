@@ -300,7 +300,7 @@ def _write_owed_final_row(s: _Session, data, run_dir: Path, start: int, eval_bat
     restored, and write the row, before the summary is rebuilt from the rows (or, with a larger --steps, before
     the run goes on). Process 0 decides (only it reads the rows); every process evaluates (a collective)."""
     row = None
-    if _primary() and totals.last_step != start - 1:
+    if _primary() and totals.last_train_step != start - 1:  # not an eval-only row (eval_at_start, 1 step)
         final = [c for c in list_checkpoints(run_dir) if c.complete and c.step == start]
         row = (json_dict(final[0].path / METADATA) or {}).get("final_row") if final else None
     if not any_process(isinstance(row, dict)):
@@ -346,6 +346,13 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         s.ckpt.save(at, s.state, kind=kind, extra_metadata=saved)
 
     final_saved = False  # the final checkpoint goes before the last step's evaluation, when there is one
+
+    def commit_on_signal() -> bool:
+        """The last step's evaluation is not stopped by a signal (the summary reports it), but the grace period
+        goes to committing the final checkpoint first: once it has, a kill in the evaluation loses nothing."""
+        if guard.stop_requested():  # a collective, before the same batch on every process
+            s.ckpt.wait()
+        return False
     try:
         if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
@@ -387,7 +394,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             # A preemption's grace period is for the save: a signal skips the evaluation, or stops it between
             # batches (the hero's: 4 of 704 sequences on both MoE paths); not the last step's, which the summary
             # reports. `stop_requested` is a collective, called before the same batch on every process.
-            evals = _eval_metrics(s, data, t.eval_batches, (lambda: False) if last else guard.stop_requested) \
+            evals = _eval_metrics(s, data, t.eval_batches, commit_on_signal if last else guard.stop_requested) \
                 if due else {}
             skip_eval = evals is None
             metrics.update(evals or {})
@@ -436,15 +443,15 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
 
 def _finished_summary(name: str, run_dir: Path, steps: int) -> dict:
     """A finished run's summary.json, once more. A kill between the final checkpoint and the summary's write
-    (a node lost at the very end) left none; the rows are fsynced before each checkpoint, so the last step's
-    row is in metrics.jsonl and the summary is rebuilt from the rows and written: the requeued job ends as the
-    first would have. (Its throughput is the median over the logged rows, every `train.log_every`th step, and
+    (a node lost at the very end) left none; the last step's row is in metrics.jsonl (fsynced before the final
+    checkpoint, or, when that step has an evaluation, written from the checkpoint by `_write_owed_final_row`)
+    and the summary is rebuilt from the rows and written: the requeued job ends as the first would have. (Its throughput is the median over the logged rows, every `train.log_every`th step, and
     its wall time the last row's: close to, not exactly, what the run would have written.) Without that row it
     stays a one-line error."""
     path = run_dir / "summary.json"
     if not path.exists():
         totals = RunTotals.from_rows(read_metrics(run_dir))
-        if totals.last_step == steps - 1:
+        if totals.last_train_step == steps - 1:
             summary = totals.summary(name, steps, totals.wall_before)
             if _primary():
                 write_json(path, summary)

@@ -49,6 +49,7 @@ class RunTotals:
         self.first_step: int | None = None
         self.first_loss = None
         self.last_step: int | None = None
+        self.last_train_step: int | None = None  # the latest row with training metrics (not an eval-only one)
         self.last: dict = {}  # LAST_KEYS -> the latest value logged
         self.eval_step: int | None = None  # the row of the latest eval (earlier than the last step if a later
         # segment ran with train.eval_batches=0)
@@ -61,6 +62,8 @@ class RunTotals:
         if self.first_step is None and "train/loss" in row:  # not step 0's eval-only row (eval_at_start)
             self.first_step, self.first_loss = step, row["train/loss"]
         self.last_step = step
+        if "train/loss" in row:
+            self.last_train_step = step
         self.last.update({k: row[k] for k in LAST_KEYS if k in row})
         if EVAL_KEY in row:
             self.eval_step = step
