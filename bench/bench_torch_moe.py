@@ -19,9 +19,11 @@ values, 3 FLOPs a score for the softmax; training = 3 x forward) against the sam
 
 Peak: on CPU the fp32 1024^3 matmul measured through jax before the steps and after each round, the highest
 reading (as bench_train_step.py); on GPU the bf16 8192^3 one (`perf.job_peak`). torch's own matmul peak is
-printed beside it. The two stacks alternate step by step (which one goes first swaps each step), so a busy
-shared machine slows both alike. moejax runs with its CPU allocator (`moejax.hostmem` re-executes the script,
-and the PyTorch steps run under the same allocator).
+printed beside it. Each stack runs in a worker process of its own (in one process their thread pools and
+allocators slowed each other: docs/LOG.md, fortieth session), and the two alternate step by step (which one goes
+first swaps each step), so a busy shared machine slows both alike; `--sequential` runs one stack's steps, then
+the other's, with one worker alive at a time (the GPU session's part: both at G don't fit together). Each worker
+runs with the `moejax` command's CPU allocator (`moejax.hostmem` re-executes it).
 
 Shapes: `--shape cpu` (issue 11's CPU shape: d256, 4 layers, 4 heads x 64, 32 experts top-4, expert width 128,
 vocab 8,192, seq 256, batch 16, fp32; moejax in its bench_train_step.py config) or `--shape G` (d1024, 12
@@ -30,8 +32,8 @@ PyTorch, moejax as bench_gpu.py's fast layout: unrolled, no remat).
 moejax's optimizer is plain Adam (`--moejax-optimizer hero` for the preset's): like for like with AdamW.
 
 Needs torch (`pip install -e '.[bench-torch]'`, torch 2.13.0; its CPU build from PyTorch's index, see
-pyproject.toml; the GPU machine has its own). `--check` compares the two expert paths with a per-token dense reference (values and gradients, fp32)
-at a small size and exits non-zero on a mismatch.
+pyproject.toml; the GPU machine has its own). `--check` compares the two expert paths with a per-token dense
+reference (values and gradients in fp32; on CUDA also values in bf16) and exits non-zero on a mismatch.
 
 Usage: python bench/bench_torch_moe.py [--shape cpu|G] [--steps 10] [--warmup 2] [--experts auto|loop|grouped_mm]
                                         [--only both|torch|moejax] [--moejax-optimizer adam|hero] [--check]
@@ -311,7 +313,8 @@ def configs(args):
     else:
         from bench_gpu import shape_g, smoke
         cfg = smoke(shape_g()) if args.smoke else shape_g()
-        cfg, autocast = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scan_layers=False)), torch.bfloat16
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scan_layers=False))
+        autocast = torch.bfloat16
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer=args.moejax_optimizer,
                                                               remat=args.moejax_remat)), autocast
 

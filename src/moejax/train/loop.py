@@ -353,6 +353,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         if guard.stop_requested():  # a collective, before the same batch on every process
             s.ckpt.wait()
         return False
+
     try:
         if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
@@ -382,9 +383,10 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             due = last or (t.eval_every and (step + 1) % t.eval_every == 0)
             if last and s.eval_fns:
                 # The final checkpoint before the final evaluation (the hero's: 4 batches of 704 sequences on both
-                # MoE paths, longer than some clouds' preemption notice): its write overlaps the evaluation, and
-                # a kill in it loses no step. The checkpoint's metadata holds this row's training part, so the
-                # next run evaluates the checkpoint and writes the row (`_write_owed_final_row`).
+                # MoE paths, longer than some clouds' preemption notice): its write overlaps the evaluation, which
+                # on a signal waits for its commit (`commit_on_signal`); from then on a kill loses no step. The
+                # checkpoint's metadata holds this row's training part, so the next run evaluates the checkpoint
+                # and writes the row (`_write_owed_final_row`).
                 saved.update(data_step=step + 1, final_row=log.final_row(step, metrics, load_LE))
                 save(step + 1, "final")
                 final_saved = True
@@ -445,9 +447,9 @@ def _finished_summary(name: str, run_dir: Path, steps: int) -> dict:
     """A finished run's summary.json, once more. A kill between the final checkpoint and the summary's write
     (a node lost at the very end) left none; the last step's row is in metrics.jsonl (fsynced before the final
     checkpoint, or, when that step has an evaluation, written from the checkpoint by `_write_owed_final_row`)
-    and the summary is rebuilt from the rows and written: the requeued job ends as the first would have. (Its throughput is the median over the logged rows, every `train.log_every`th step, and
-    its wall time the last row's: close to, not exactly, what the run would have written.) Without that row it
-    stays a one-line error."""
+    and the summary is rebuilt from the rows and written: the requeued job ends as the first would have. (Its
+    throughput is the median over the logged rows, every `train.log_every`th step, and its wall time the last
+    row's: close to, not exactly, what the run would have written.) Without that row it stays a one-line error."""
     path = run_dir / "summary.json"
     if not path.exists():
         totals = RunTotals.from_rows(read_metrics(run_dir))
