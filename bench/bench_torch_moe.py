@@ -494,16 +494,12 @@ def main() -> None:
 
 def _torch_matmul_peak(device: torch.device) -> float:
     """FLOP/s of torch's fastest of 5 matmuls (fp32 1024^3 on CPU, bf16 8192^3 on CUDA)."""
+    from moejax.perf import _fastest
     n, dtype = (1024, torch.float32) if device.type == "cpu" else (8192, torch.bfloat16)
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     (a @ b), sync()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        (a @ b), sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
+    return 2.0 * n**3 / _fastest(lambda: ((a @ b), sync()), 5)
 
 
 if __name__ == "__main__":

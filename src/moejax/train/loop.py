@@ -345,7 +345,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
         writer.sync()  # the rows a checkpoint covers are on disk before it
         s.ckpt.save(at, s.state, kind=kind, extra_metadata=saved)
 
-    final_saved = False  # the final checkpoint goes before the last step's evaluation, when there is one
+    final_first = bool(s.eval_fns)  # the final checkpoint goes before the last step's evaluation, if there is one
 
     def commit_on_signal() -> bool:
         """The last step's evaluation is not stopped by a signal (the summary reports it), but the grace period
@@ -381,7 +381,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
             if step + 1 == fault_at:  # fault injection for the preemption tests: a real SIGTERM
                 faults.sigterm_now()
             due = last or (t.eval_every and (step + 1) % t.eval_every == 0)
-            if last and s.eval_fns:
+            if last and final_first:
                 # The final checkpoint before the final evaluation (the hero's: 4 batches of 704 sequences on both
                 # MoE paths, longer than some clouds' preemption notice): its write overlaps the evaluation, which
                 # on a signal waits for its commit (`commit_on_signal`); from then on a kill loses no step. The
@@ -389,7 +389,6 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                 # and writes the row (`_write_owed_final_row`).
                 saved.update(data_step=step + 1, final_row=log.final_row(step, metrics, load_LE))
                 save(step + 1, "final")
-                final_saved = True
                 if faults.kill_at("final_eval", step + 1):
                     s.ckpt.wait()
                     faults.kill_now()
@@ -420,7 +419,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
                                 f" checkpoint saved in {run_dir}{after}; run the same command again to resume")
             if not last and (kind := s.ckpt.should_save(step + 1)):
                 save(step + 1, kind)
-        if int(s.state.step) > start and not final_saved:  # a rerun of a finished run keeps its final checkpoint
+        if int(s.state.step) > start and not final_first:  # a rerun of a finished run keeps its final checkpoint
             save(int(s.state.step), "final")
         if faults.sigterm_at_end():  # fault injection: a signal while the final checkpoint commits
             faults.sigterm_now()
