@@ -40,6 +40,7 @@ from moejax.config import ConfigError, RunConfig
 from moejax.data.pipeline import make_data
 from moejax.export import check_export, init_params_from_export, is_export
 from moejax.metrics import MetricsWriter, read_metrics, to_py
+from moejax.model import kernel_choice
 from moejax.parallel.backends import attention_kernel, layer_weights, local_backend, moe_backend
 from moejax.parallel.mesh import REPLICATED, batch_sharding, make_mesh
 from moejax.perf import job_peak
@@ -49,6 +50,7 @@ from moejax.train.job_start import JobStart, PeerPreempted
 from moejax.train.monitor import RunTotals, StepLog, print_alarm
 from moejax.train.optimizer import make_optimizer
 from moejax.train.profile import ProfileWindow, StepProfiler, trace_dir
+from moejax.train.reuse import reused, tree_key
 from moejax.train.run_dir import (RunError, RunLock, forget_new_run, json_dict, prepare_run_dir, read_summary,
                                   run_info, truncate_metrics, write_json)
 from moejax.train.state import TrainState, init_opt_state, init_state, place_state
@@ -204,7 +206,7 @@ def _setup(cfg: RunConfig, run_dir: Path, opts: RunOptions, resuming: bool, data
     m, t = cfg.model, cfg.train
     if faults.sigterm_before_step():
         faults.sigterm_now()
-    optimizer, lr_fns = make_optimizer(cfg)
+    optimizer, lr_fns = reused(("optimizer", cfg), lambda: make_optimizer(cfg))  # the steps' key holds it
     try:
         ckpt = CheckpointManager(run_dir, permanent_every=t.checkpoint_every,
                                  temporary_every_s=60.0 * t.temp_checkpoint_minutes,
@@ -238,16 +240,30 @@ def _compiler_options(mesh: Mesh) -> dict:
 
 def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str):
     """(phase -> jitted train step, {prefix: jitted eval step}) for `mesh`: the MoE backend, the attention
-    kernel and the layers' weights at use bound to it (`parallel.backends`), one train step per (context-parallel degree, capacity factors)
-    of the context schedule (the transport's static buffer sizes and the chunk layout are baked into it),
-    compiled with the platform's train-step options (`xla_flags.step_compiler_options`; on CPU they can't be
-    traced inside another jit or grad, so call them at top level)."""
+    kernel and the layers' weights at use bound to it (`parallel.backends`), one train step per (context-parallel
+    degree, capacity factors) of the context schedule (the transport's static buffer sizes and the chunk layout
+    are baked into it), compiled with the platform's train-step options (`xla_flags.step_compiler_options`; on
+    CPU they can't be traced inside another jit or grad, so call them at top level). A process that builds them
+    again from equal inputs and kernel choices gets the same functions, traced and compiled once (`reuse`)."""
+    options = _compiler_options(mesh)
+    kernels = kernel_choice.current()
+    key = ("steps", cfg, mesh, optimizer, tuple(sorted(lr_fns.items())), tree_key(state_sh),
+           None if offload is None else tree_key([getattr(offload, f.name) for f in dataclasses.fields(offload)]),
+           remat, tree_key(kernels), tuple(sorted(options.items())))
+    return reused(key, lambda: _build_step_functions(cfg, mesh, optimizer, lr_fns, state_sh, offload, remat,
+                                                     options, kernels))
+
+
+def _build_step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str,
+                          options: dict, kernels: dict):
+    """`step_functions`' build; each step is built with the kernel choices of its key, also a phase's built
+    later, on its first use."""
     m, t = cfg.model, cfg.train
     routed, kernel, weights = moe_backend(cfg.parallel, mesh), attention_kernel(mesh), layer_weights(mesh)
     batch_sh = batch_sharding(mesh)
-    options = _compiler_options(mesh)
 
     @functools.cache
+    @kernel_choice.pinned(kernels)
     def phase_step(context: int, cf_send: float, cf_recv: float):
         par = dataclasses.replace(cfg.parallel, cf_send=cf_send, cf_recv=cf_recv)
         fn = make_train_step(m, optimizer, lr_fns, moe_backend(par, mesh), remat=remat, offload=offload,
@@ -257,7 +273,7 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
                        out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
     eval_fns = {}
-    if t.eval_batches:  # 0: no evaluation, so no eval step at all
+    if t.eval_batches:  # 0: no evaluation, so no eval step at all (built now: the choices are `kernels`)
         # XLA's defaults: YNNPACK's dots run the eval forward faster (xla_flags)
         eval_fns["eval/"] = jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
         if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)

@@ -12,6 +12,7 @@ plain arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding
 from moejax.model.layers import pytree_dataclass
 from moejax.model.transformer import Transformer
 from moejax.parallel.mesh import REPLICATED, ROUTED_EXPERT_FIELDS, mirror_shardings, param_shardings
+from moejax.train import reuse
 
 FP32_LEAVES = frozenset({"router_bias"})  # kept in fp32 in the compute copy: routing decisions are fp32
 # The routed experts' matrices: the model reads them only as `w.astype(compute dtype)`, once per layer,
@@ -69,7 +71,9 @@ def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
     """Fresh state; with a mesh, parameters are created sharded (never materialised whole on one device)
     and the optimizer state inherits their shardings."""
     dtype = jnp.dtype(cfg.model.compute_dtype)
-    init = lambda k: Transformer.init(cfg.model, k)
+    # one function object per model config (and dtype): jax keeps a function's trace and executable, so the next
+    # run of the config in this process initialises without tracing or compiling again (`train.reuse`)
+    init = reuse.reused(("init", cfg.model), lambda: functools.partial(Transformer.init, cfg.model))
     if mesh is None:
         params = init(key)
         opt_state = optimizer.init(params)
@@ -80,7 +84,8 @@ def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
         params_sh = param_shardings(abstract, mesh)
         params = jax.jit(init, out_shardings=params_sh)(key)
         opt_state = init_opt_state(optimizer, params, mesh)
-        compute = jax.jit(lambda p: compute_copy(p, dtype), out_shardings=params_sh)(params)
+        cast = reuse.reused(("cast", dtype), lambda: functools.partial(compute_copy, dtype=dtype))
+        compute = jax.jit(cast, out_shardings=params_sh)(params)
         put = lambda x: jax.device_put(x, NamedSharding(mesh, REPLICATED))
     return TrainState(step=put(jnp.zeros((), jnp.int32)), params=params, compute=compute, opt_state=opt_state,
                       rng=put(jax.random.key_data(jax.random.fold_in(key, 1))))
