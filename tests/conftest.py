@@ -31,6 +31,8 @@ if "MOEJAX_TEST_JAX_CACHE" not in os.environ:
     os.environ["MOEJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="moejax-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["MOEJAX_TEST_JAX_CACHE"], ignore_errors=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["MOEJAX_TEST_JAX_CACHE"]
+# In-process runs of one config share their jitted steps across a worker's tests (`moejax.train.reuse`): a test
+# that patches code the steps trace (no key holds it) calls `reuse.clear()` first, as tests/test_reuse.py does.
 
 import jax  # noqa: E402
 

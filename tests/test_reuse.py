@@ -4,6 +4,7 @@ change in anything they are built from (the config, a kernel choice) builds them
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from moejax.cli import main
@@ -11,7 +12,8 @@ from moejax.train import loop, reuse
 from tests.tiny_run import TRAIN_ARGS
 
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # jax's event for each function lowered to HLO
-ARGS = [*TRAIN_ARGS, "--set", "train.eval_batches=1"]  # the eval step too
+ARGS = [*TRAIN_ARGS, "--set", "train.eval_batches=1", "--set", "model.n_layers=1"]  # an eval step; 1 layer: quick
+LOSS_RTOL = 1e-5  # another compile of the same fp32 step (XLA's reductions, not YNNPACK's): summation order
 
 
 @pytest.fixture
@@ -60,9 +62,17 @@ def test_a_config_trained_again_in_one_process_traces_nothing_and_a_change_build
     chosen = _train(tmp_path / "c")
     assert (len(builds), len(traces)) == (2, 2)
     assert [r.get("train/loss") for r in chosen] == [r.get("train/loss") for r in first]
-    # Another learning rate: the same shapes, a step that must not be the first one's (it computes the rate)
-    other = _train(tmp_path / "d", "--set", "train.learning_rate=0.01")
+    # XLA's default options for the CPU step instead of the project's (`xla_flags.step_compiler_options`)
+    monkeypatch.delenv("MOEJAX_ATTENTION")
+    monkeypatch.setenv("MOEJAX_XLA_DEFAULTS", "1")
+    defaults = _train(tmp_path / "d")
     assert (len(builds), len(traces)) == (3, 3)
+    np.testing.assert_allclose([r["train/loss"] for r in defaults if "train/loss" in r],
+                               [r["train/loss"] for r in first if "train/loss" in r], rtol=LOSS_RTOL)
+    monkeypatch.delenv("MOEJAX_XLA_DEFAULTS")
+    # Another learning rate: the same shapes, a step that must not be the first one's (it computes the rate)
+    other = _train(tmp_path / "e", "--set", "train.learning_rate=0.01")
+    assert (len(builds), len(traces)) == (4, 4)
     assert other[1]["train/learning_rate"] == pytest.approx(0.01) != first[1]["train/learning_rate"]
     assert other[1]["train/param_norm"] != first[1]["train/param_norm"]
 

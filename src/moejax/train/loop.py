@@ -256,8 +256,8 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
 
 def _build_step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str,
                           options: dict, kernels: dict):
-    """`step_functions`' build; each step is built with the kernel choices of its key, also a phase's built
-    later, on its first use."""
+    """`step_functions`' build: every step is built with the kernel choices of its key, also a phase's step,
+    built later on its first use."""
     m, t = cfg.model, cfg.train
     routed, kernel, weights = moe_backend(cfg.parallel, mesh), attention_kernel(mesh), layer_weights(mesh)
     batch_sh = batch_sharding(mesh)
@@ -273,12 +273,13 @@ def _build_step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_s
                        out_shardings=(state_sh, NamedSharding(mesh, REPLICATED)))  # metrics replicated: any host reads them
 
     eval_fns = {}
-    if t.eval_batches:  # 0: no evaluation, so no eval step at all (built now: the choices are `kernels`)
-        # XLA's defaults: YNNPACK's dots run the eval forward faster (xla_flags)
-        eval_fns["eval/"] = jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
-        if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
-            eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
-                                                                weights))
+    if t.eval_batches:  # 0: no evaluation, so no eval step at all
+        with kernel_choice.pinned(kernels):
+            # XLA's defaults: YNNPACK's dots run the eval forward faster (xla_flags)
+            eval_fns["eval/"] = jax.jit(make_eval_step(m, routed, t.scan_layers, kernel, weights))
+            if cfg.parallel.use_ep:  # the same weights on the local path: nothing dropped (SPEC §5)
+                eval_fns["eval_dropless/"] = jax.jit(make_eval_step(m, local_backend(mesh), t.scan_layers, kernel,
+                                                                    weights))
     return (lambda ph: phase_step(ph.context, ph.cf_send, ph.cf_recv)), eval_fns
 
 
