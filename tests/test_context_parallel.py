@@ -67,11 +67,17 @@ def _run(cfg, batch, context: int, kernel: bool = False):
     return float(loss), jax.device_get(grads), int(dropped), float(tokens)
 
 
-def test_context_parallel_loss_and_grads_equal():
-    # window 12: its 11-key halo is one hop at c=2 (chunks of 16) and two hops at c=4 (chunks of 8)
+@pytest.fixture(scope="module")
+def without_cp():
+    """(model, batch, the context-1 run's loss, grads, drops, tokens), shared by the tests below. Window 12: its
+    11-key halo is one hop at c=2 (chunks of 16) and two hops at c=4 (chunks of 8)."""
     cfg = toy_model(window=12, n_layers=2)  # layer 0 local, layer 1 (the last) global
     batch = {k: np.asarray(v) for k, v in toy_batch(cfg, N_SEQS, SEQ, seed=3, doc_lens=DOC_LENS).items()}
-    want_loss, want_grads, dropped, tokens = _run(cfg, batch, 1)
+    return cfg, batch, *_run(cfg, batch, 1)
+
+
+def test_context_parallel_loss_and_grads_equal(without_cp):
+    cfg, batch, want_loss, want_grads, dropped, tokens = without_cp
     assert dropped == 0 and tokens == batch["loss_mask"].sum()
     for context in (2, 4):
         loss, grads, dropped, _ = _run(cfg, batch, context)
@@ -82,13 +88,11 @@ def test_context_parallel_loss_and_grads_equal():
                                        err_msg=f"d{jax.tree_util.keystr(path)}, context {context}")
 
 
-def test_context_parallel_through_the_flash_kernel_equals_xla():
+def test_context_parallel_through_the_flash_kernel_equals_xla(without_cp):
     """The kernel path under CP: each chunk's kernel call gets its extended keys (halo two hops back on the
     local layer, 3 earlier chunks on the global one, padded to whole key blocks); loss and gradients equal
     the XLA path without CP."""
-    cfg = toy_model(window=12, n_layers=2)
-    batch = {k: np.asarray(v) for k, v in toy_batch(cfg, N_SEQS, SEQ, seed=3, doc_lens=DOC_LENS).items()}
-    want_loss, want_grads, _, _ = _run(cfg, batch, 1)
+    cfg, batch, want_loss, want_grads, _, _ = without_cp
     loss, grads, dropped, _ = _run(cfg, batch, 4, kernel=True)
     assert dropped == 0
     np.testing.assert_allclose(loss, want_loss, rtol=CP_RTOL_FP32)
