@@ -1,5 +1,5 @@
 """A second run of one config in one process reuses the first one's jitted functions (`train.reuse`), and a
-change in anything they are built from (the config, a kernel choice) builds them anew."""
+change in anything they are built from (the config, a kernel choice, the compiler options) builds them anew."""
 
 import json
 
