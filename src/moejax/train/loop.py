@@ -247,9 +247,8 @@ def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offl
     again from equal inputs and kernel choices gets the same functions, traced and compiled once (`reuse`)."""
     options = _compiler_options(mesh)
     kernels = kernel_choice.current()
-    key = ("steps", cfg, mesh, optimizer, tuple(sorted(lr_fns.items())), tree_key(state_sh),
-           None if offload is None else tree_key([getattr(offload, f.name) for f in dataclasses.fields(offload)]),
-           remat, tree_key(kernels), tuple(sorted(options.items())))
+    key = ("steps", cfg, mesh, optimizer, tuple(sorted(lr_fns.items())), tree_key((state_sh, offload, kernels)),
+           remat, tuple(sorted(options.items())))
     return reused(key, lambda: _build_step_functions(cfg, mesh, optimizer, lr_fns, state_sh, offload, remat,
                                                      options, kernels))
 
@@ -374,7 +373,7 @@ def _train_loop(cfg: RunConfig, run_dir: Path, opts: RunOptions, data, resuming:
     try:
         if start == 0 and t.eval_at_start and s.eval_fns:  # the initial weights: an eval-only row of step 0
             writer.log(0, _eval_metrics(s, data, t.eval_batches))
-        if start and s.eval_fns:  # resumed from a final checkpoint: its row may still be owed
+        if start and final_first:  # resumed from a final checkpoint: its row may still be owed
             _write_owed_final_row(s, data, run_dir, start, t.eval_batches, totals, writer)
         guard.defer()  # from the first step on, for good: a signal finishes the step and saves, and after the loop
         # (final checkpoint, summary) it lets the run finish

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -102,7 +101,7 @@ def init_opt_state(optimizer, params, mesh=None):
     return jax.jit(optimizer.init, out_shardings=opt_sh)(params)
 
 
-@dataclass(frozen=True)
+@pytree_dataclass  # a pytree of shardings, so that a step's key (`train.reuse`) can hold it
 class Offload:
     """Where the fp32 master weights and optimizer state live between steps (SPEC §4 pinned host).
 
