@@ -132,6 +132,7 @@ def test_short_training_run_and_different_run_refused(tmp_path):
     assert info["profile_steps"] == [4, 9]
     # YNNPACK for reductions only on CPU
     assert info["step_compiler_options"] == {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+    assert info["init_compiler_options"] == {}  # the suite's XLA_FLAGS set LLVM's level (-O0): they win
     assert info["xla_flags"] == ENV["XLA_FLAGS"]
     assert set(info["kernels"].values()) == {"xla"}  # every op on its XLA path on CPU
     if "malloc" not in ENV.get("LD_PRELOAD", ""):  # `python -m moejax.cli` skips the re-execution onto tcmalloc

@@ -1,7 +1,9 @@
 """The train steps' XLA options (`moejax.xla_flags.step_compiler_options`): YNNPACK for reductions only on CPU
 (no YNNPACK dots) unless XLA_FLAGS names the option, nothing elsewhere, the same values and gradients as XLA's
-defaults, and the loop's train step (not its eval steps) compiled with them."""
+defaults, and the loop's train step (not its eval steps) compiled with them. The parameter initialiser's
+(`init_compiler_options`): LLVM -O1 on CPU, the same bits as XLA's default -O2."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +14,9 @@ import pytest
 from moejax import xla_flags
 from moejax.config import ParallelConfig
 from moejax.model.moe.grouped import grouped_swiglu
-from moejax.xla_flags import CPU_STEP_OPTIONS, XLA_DEFAULTS, YNN_FUSIONS, step_compiler_options
+from moejax.model.transformer import Transformer
+from moejax.xla_flags import (CPU_INIT_OPTIONS, CPU_STEP_OPTIONS, OPT_LEVEL, XLA_DEFAULTS, YNN_FUSIONS,
+                              init_compiler_options, step_compiler_options)
 from tests.helpers import loop_steps, toy_model
 from tests.test_grouped import ATOL_FP32, RTOL_FP32, UNALIGNED, _problem
 
@@ -75,3 +79,24 @@ def test_grouped_gemm_without_ynnpack_equals_defaults():
     assert "dot_general" not in ynn_ops(ours)
     for a, b in zip(jax.tree.leaves(default(x, *ws)), jax.tree.leaves(ours(x, *ws)), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL_FP32, atol=ATOL_FP32)
+
+
+def test_initialiser_options_by_platform_and_the_users_choice_wins(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert init_compiler_options("cpu") == CPU_INIT_OPTIONS == {OPT_LEVEL: 1}
+    assert init_compiler_options("gpu") == {} and init_compiler_options("tpu") == {}
+    monkeypatch.setenv(XLA_DEFAULTS, "1")
+    assert init_compiler_options("cpu") == {}
+    monkeypatch.delenv(XLA_DEFAULTS)
+    monkeypatch.setenv("XLA_FLAGS", f"--{OPT_LEVEL}=0")  # the suite's own setting
+    assert init_compiler_options("cpu") == {}
+
+
+def test_initialiser_at_o1_gives_the_bits_of_xlas_default_o2():
+    """The parameters `init_state` compiles at CPU_INIT_OPTIONS are those of XLA's default level, bit for bit:
+    -O1 only compiles sooner (the random bits are integer hashes; the float transforms round the same)."""
+    init = jax.jit(functools.partial(Transformer.init, toy_model(n_layers=1)))
+    lowered = init.lower(jax.random.key(7))
+    default, ours = (lowered.compile(compiler_options=o) for o in ({OPT_LEVEL: 2}, CPU_INIT_OPTIONS))
+    for a, b in zip(jax.tree.leaves(default(jax.random.key(7))), jax.tree.leaves(ours(jax.random.key(7))), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

@@ -65,9 +65,11 @@ class Transformer:
                            lm_head=trunc_normal(kh, (cfg.d_model, cfg.vocab_size), std))
 
 
-def param_count(cfg: ModelConfig) -> int:
-    """Exact size of the parameter pytree, from the abstract initialisation (never allocated)."""
-    shapes = jax.eval_shape(lambda k: Transformer.init(cfg, k), jax.random.key(0))
+def param_count(cfg: ModelConfig, init: Callable | None = None) -> int:
+    """Exact size of the parameter pytree, from the abstract initialisation (never allocated). `init`: the
+    initialiser the run itself traces (key -> parameters), so that the count and the run share one trace."""
+    init = init or functools.partial(Transformer.init, cfg)
+    shapes = jax.eval_shape(init, jax.random.key(0))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 

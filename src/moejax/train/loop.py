@@ -55,7 +55,7 @@ from moejax.train.run_dir import (RunError, RunLock, forget_new_run, json_dict, 
                                   run_info, truncate_metrics, write_json)
 from moejax.train.state import TrainState, init_opt_state, init_state, place_state
 from moejax.train.step import make_eval_step, make_train_step
-from moejax.xla_flags import step_compiler_options
+from moejax.xla_flags import init_compiler_options, step_compiler_options
 
 
 class Preempted(RuntimeError):
@@ -110,7 +110,8 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             if _primary():
                 profile = {"profile_steps": [opts.profile.start, opts.profile.stop]} if opts.profile else {}
                 write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe(),
-                                                       "step_compiler_options": _compiler_options(mesh), **profile})
+                                                       "step_compiler_options": _compiler_options(mesh),
+                                                       "init_compiler_options": _init_options(mesh), **profile})
             return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
         except InitFromError:
             if not resuming and _primary():  # its start wrote config.json and run_info.json: leave nothing
@@ -236,6 +237,11 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
 def _compiler_options(mesh: Mesh) -> dict:
     """XLA options of the jitted train steps on `mesh`'s platform (`xla_flags.step_compiler_options`)."""
     return step_compiler_options(mesh.devices.flat[0].platform)
+
+
+def _init_options(mesh: Mesh) -> dict:
+    """XLA options of the parameter initialiser on `mesh`'s platform (`xla_flags.init_compiler_options`)."""
+    return init_compiler_options(mesh.devices.flat[0].platform)
 
 
 def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str):

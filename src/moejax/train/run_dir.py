@@ -31,6 +31,7 @@ from moejax.diffs import first_difference
 from moejax.fsio import atomic_write, atomic_write_chunks
 from moejax.metrics import is_json_object
 from moejax.model.transformer import param_count
+from moejax.train.state import initializer
 
 LIBRARIES = ("jax", "jaxlib", "optax", "orbax-checkpoint", "numpy", "tokenizers")
 LOCK = ".lock"
@@ -308,7 +309,7 @@ def run_info(cfg: RunConfig, peak: float) -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", ""),  # with step_compiler_options: how XLA compiled the step
             "peak_flops": peak, "optimizer": optimizer_settings(cfg),  # hero: the heuristic's, not train.b2 etc.
             "kernels": kernel_choice.current()["impl"],  # MOEJAX_* -> "xla" | "gpu_kernel", as the steps are built
-            "accounting": accounting.summary(cfg, param_count(cfg.model))}
+            "accounting": accounting.summary(cfg, param_count(cfg.model, initializer(cfg.model)))}
 
 
 def peak_source(run_dir: Path) -> str:

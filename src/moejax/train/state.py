@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from moejax.config import ModelConfig
 from moejax.model.layers import pytree_dataclass
 from moejax.model.transformer import Transformer
 from moejax.parallel.mesh import REPLICATED, ROUTED_EXPERT_FIELDS, mirror_shardings, param_shardings
 from moejax.train import reuse
+from moejax.xla_flags import init_compiler_options
 
 FP32_LEAVES = frozenset({"router_bias"})  # kept in fp32 in the compute copy: routing decisions are fp32
 # The routed experts' matrices: the model reads them only as `w.astype(compute dtype)`, once per layer,
@@ -66,13 +68,18 @@ def differentiated_copy(compute: Transformer) -> Transformer:
     return jax.tree_util.tree_map_with_path(leaf, compute)
 
 
+def initializer(model: ModelConfig):
+    """key -> fresh parameters: one function object per model config, since jax keeps a function's trace and
+    executable. The next run of the config in this process initialises without tracing or compiling again
+    (`train.reuse`), and the run's parameter count (`run_dir.run_info`) shares the run's trace."""
+    return reuse.reused(("init", model), lambda: functools.partial(Transformer.init, model))
+
+
 def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
     """Fresh state; with a mesh, parameters are created sharded (never materialised whole on one device)
     and the optimizer state inherits their shardings."""
     dtype = jnp.dtype(cfg.model.compute_dtype)
-    # one function object per model config (and dtype): jax keeps a function's trace and executable, so the next
-    # run of the config in this process initialises without tracing or compiling again (`train.reuse`)
-    init = reuse.reused(("init", cfg.model), lambda: functools.partial(Transformer.init, cfg.model))
+    init = initializer(cfg.model)
     if mesh is None:
         params = init(key)
         opt_state = optimizer.init(params)
@@ -81,7 +88,8 @@ def init_state(cfg, optimizer, key, mesh=None) -> TrainState:
     else:
         abstract = jax.eval_shape(init, key)
         params_sh = param_shardings(abstract, mesh)
-        params = jax.jit(init, out_shardings=params_sh)(key)
+        options = init_compiler_options(mesh.devices.flat[0].platform)  # -O1 on CPU: the same bits, sooner
+        params = jax.jit(init, out_shardings=params_sh, compiler_options=options)(key)
         opt_state = init_opt_state(optimizer, params, mesh)
         cast = reuse.reused(("cast", dtype), lambda: functools.partial(compute_copy, dtype=dtype))
         compute = jax.jit(cast, out_shardings=params_sh)(params)
