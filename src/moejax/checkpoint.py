@@ -40,8 +40,8 @@ Notable choices and where they come from:
 - A failed background save is reported at the next `poll()` (every step), as one line: orbax's own
   multi-hundred-line error logs of that failure are filtered out (`_QuietOrbaxErrors`), and so is the
   aftermath printed at exit (`_drop_failed_io_aftermath`): "Event loop is closed" tracebacks from
-  tensorstore's late write callbacks, and asyncio's "exception was never retrieved" for orbax's write
-  futures. Every other error still prints.
+  tensorstore's late write callbacks, asyncio's "exception was never retrieved" for orbax's write
+  futures, and Python's warning of orbax's unawaited write coroutines. Every other error still prints.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -633,14 +634,23 @@ def _names_a_failed_read(exc: BaseException | None) -> bool:
     return exc is not None and any(d in str(exc) for d in _FAILED_READS)
 
 
+# The array-write coroutine of orbax's serialization (its qualified name, as Python's warning gives it), which a
+# failed save can leave unawaited: a RuntimeWarning at exit, with its "Enable tracemalloc" line.
+UNAWAITED_ORBAX_WRITE = r"coroutine 'async_serialize_from_host\.<locals>\.write_fragment' was never awaited"
+
+
 def _drop_failed_io_aftermath() -> None:
     """Install (once, process-wide) two filters for what a failed async save or restore prints long after
     its one CheckpointError line, much of it at exit:
     - each of tensorstore's pending callbacks raises RuntimeError("Event loop is closed") into orbax's
       closed event loop (an unraisable exception, 7 lines apiece, hundreds in all);
     - a failed restore's other read coroutines are collected with their own errors (unraisable too);
-    - asyncio logs "exception was never retrieved" (with a traceback) for each of orbax's failed futures.
+    - asyncio logs "exception was never retrieved" (with a traceback) for each of orbax's failed futures;
+    - Python warns at exit of orbax's array-write coroutines that a failed save left unawaited (two lines: one
+      clean-clone suite's full-disk test, docs/LOG.md forty-second session).
     One truncated data file printed ~30 such tracebacks after its line (docs/LOG.md, thirty-sixth session)."""
+    # at every call, not once: warning filters can be reset under us (pytest restores them after each test)
+    warnings.filterwarnings("ignore", UNAWAITED_ORBAX_WRITE, RuntimeWarning)
     prev = sys.unraisablehook
     if getattr(prev, "_moejax", False):
         return
