@@ -640,8 +640,8 @@ UNAWAITED_ORBAX_WRITE = r"coroutine 'async_serialize_from_host\.<locals>\.write_
 
 
 def _drop_failed_io_aftermath() -> None:
-    """Install (once, process-wide) two filters for what a failed async save or restore prints long after
-    its one CheckpointError line, much of it at exit:
+    """Install process-wide filters for what a failed async save or restore prints long after its one
+    CheckpointError line, much of it at exit:
     - each of tensorstore's pending callbacks raises RuntimeError("Event loop is closed") into orbax's
       closed event loop (an unraisable exception, 7 lines apiece, hundreds in all);
     - a failed restore's other read coroutines are collected with their own errors (unraisable too);
