@@ -48,8 +48,7 @@ def step_compiler_options(platform: str) -> dict:
     CPU, unless XLA_FLAGS sets one of them, MOEJAX_XLA_DEFAULTS=1, or this jaxlib doesn't know them (an
     unknown option fails every compile: a warning, then none); nothing elsewhere. Recorded in run_info.json.
     A jit with options can't be traced inside another jit or grad: the steps are called at top level."""
-    named = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
-    if platform != "cpu" or os.environ.get(XLA_DEFAULTS) == "1" or any(f"--{k}" in named for k in CPU_STEP_OPTIONS):
+    if not _ours_to_set(platform, CPU_STEP_OPTIONS):
         return {}
     return dict(CPU_STEP_OPTIONS) if _cpu_options_known() else {}
 
@@ -58,10 +57,14 @@ def init_compiler_options(platform: str) -> dict:
     """`compiler_options` for the jitted parameter initialiser on `platform`: CPU_INIT_OPTIONS on CPU (it runs
     once, and -O1 compiles it in a third of -O2's time to the same bits), unless XLA_FLAGS sets the level (the
     test suite's -O0) or MOEJAX_XLA_DEFAULTS=1; nothing elsewhere."""
+    return dict(CPU_INIT_OPTIONS) if _ours_to_set(platform, CPU_INIT_OPTIONS) else {}
+
+
+def _ours_to_set(platform: str, cpu_options: dict) -> bool:
+    """Whether moejax sets `cpu_options` on `platform`: on CPU only, and not where XLA_FLAGS names one of them (the
+    user's setting wins) or MOEJAX_XLA_DEFAULTS=1 asks for XLA's defaults."""
     named = {f.split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
-    if platform != "cpu" or os.environ.get(XLA_DEFAULTS) == "1" or f"--{OPT_LEVEL}" in named:
-        return {}
-    return dict(CPU_INIT_OPTIONS)
+    return platform == "cpu" and os.environ.get(XLA_DEFAULTS) != "1" and not any(f"--{k}" in named for k in cpu_options)
 
 
 @functools.cache

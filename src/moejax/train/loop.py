@@ -109,9 +109,11 @@ def _train(cfg: RunConfig, run_dir: Path, opts: RunOptions, guard: PreemptionGua
             peak = peak_info["peak_flops"]  # the whole job's: MFU is per device of the job
             if _primary():
                 profile = {"profile_steps": [opts.profile.start, opts.profile.stop]} if opts.profile else {}
+                platform = mesh.devices.flat[0].platform
                 write_json(run_dir / "run_info.json", {**run_info(cfg, peak), **peak_info, "data": data.describe(),
-                                                       "step_compiler_options": _compiler_options(mesh),
-                                                       "init_compiler_options": _init_options(mesh), **profile})
+                                                       "step_compiler_options": step_compiler_options(platform),
+                                                       "init_compiler_options": init_compiler_options(platform),
+                                                       **profile})
             return _train_loop(cfg, run_dir, opts, data, resuming, peak, mesh, init_from, guard)
         except InitFromError:
             if not resuming and _primary():  # its start wrote config.json and run_info.json: leave nothing
@@ -237,11 +239,6 @@ def _setup_with(ckpt: CheckpointManager, cfg: RunConfig, opts: RunOptions, resum
 def _compiler_options(mesh: Mesh) -> dict:
     """XLA options of the jitted train steps on `mesh`'s platform (`xla_flags.step_compiler_options`)."""
     return step_compiler_options(mesh.devices.flat[0].platform)
-
-
-def _init_options(mesh: Mesh) -> dict:
-    """XLA options of the parameter initialiser on `mesh`'s platform (`xla_flags.init_compiler_options`)."""
-    return init_compiler_options(mesh.devices.flat[0].platform)
 
 
 def step_functions(cfg: RunConfig, mesh: Mesh, optimizer, lr_fns, state_sh, offload, remat: bool | str):
